@@ -1,0 +1,18 @@
+"""fsdp-rs: fully sharded data parallel for PyTorch, planned in Rust.
+
+The planner (``fsdp_rs.planning``, backed by the ``fsdp_rs._core`` extension)
+computes every sharding table once per parameter group; ``fsdp_rs.kernels``
+holds the Triton copy kernels (imported lazily, only where CUDA is present).
+"""
+
+from fsdp_rs._core import __version__
+from fsdp_rs.planning import FlatPlan, GroupPlan, peak_memory, plan_flat, plan_group
+
+__all__ = [
+    "FlatPlan",
+    "GroupPlan",
+    "__version__",
+    "peak_memory",
+    "plan_flat",
+    "plan_group",
+]

@@ -1,0 +1,169 @@
+"""Command line of ``python -m fsdp_rs.bench``: one subcommand per benchmark.
+
+Each subcommand has an ``_add_<name>`` function that declares its options and
+sets ``run`` to the function that executes it and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fsdp_rs.bench.shapes import MIXES
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_PARAMS = (1_000, 10_000, 100_000, 1_000_000)
+DEFAULT_WORLD_SIZE = 8
+DEFAULT_REPEAT = 5
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1; accepts ``1000``, ``1_000`` and ``1e3``."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            as_float = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not as_float.is_integer():
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        value = int(as_float)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="time the Rust planner against the pure-Python reference",
+        description=(
+            "Time fsdp_rs._core.plan_group (FSDP2) and plan_flat (FSDP1) from Python on N "
+            "deterministic parameter shapes, against the pure-Python reference, and check "
+            "both give the same tables. Exits 1 if any output differs."
+        ),
+    )
+    p.add_argument(
+        "--params",
+        metavar="N",
+        type=positive_int,
+        action="append",
+        help="parameters in the group; repeat for a sweep (default: 1e3 1e4 1e5 1e6)",
+    )
+    p.add_argument(
+        "--world-size",
+        metavar="W",
+        type=positive_int,
+        default=DEFAULT_WORLD_SIZE,
+        help=f"data-parallel world size (default: {DEFAULT_WORLD_SIZE})",
+    )
+    p.add_argument("--rank", type=non_negative_int, default=0, help="rank to plan for (default: 0)")
+    p.add_argument(
+        "--mix",
+        choices=MIXES,
+        default="auto",
+        help="shape mix; auto scales dense/MoE/adapter tensors with N and W (default: auto)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="shape generator seed (default: 0)")
+    p.add_argument(
+        "--repeat",
+        metavar="K",
+        type=positive_int,
+        default=DEFAULT_REPEAT,
+        help=f"timed fsdp-rs calls per N; the median is reported (default: {DEFAULT_REPEAT})",
+    )
+    p.add_argument(
+        "--reference-repeat",
+        metavar="K",
+        type=positive_int,
+        help="timed reference calls per N (default: --repeat up to N=1e4, then 1)",
+    )
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the reference (speedup and outputs_equal are then null)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="write a log-log time-vs-N plot (PNG)")
+    p.set_defaults(run=_run_plan, parser=p)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from fsdp_rs.bench import report
+    from fsdp_rs.bench.plan import bench_plan, environment
+
+    if args.rank >= args.world_size:
+        args.parser.error(f"--rank must be < --world-size ({args.world_size}), got {args.rank}")
+    if args.plot and not report.matplotlib_available():
+        args.parser.error(report.MATPLOTLIB_HINT)
+
+    env = environment()
+    records = []
+    for n in args.params or DEFAULT_PARAMS:
+        record = bench_plan(
+            n,
+            args.world_size,
+            rank=args.rank,
+            mix=args.mix,
+            seed=args.seed,
+            repeat=args.repeat,
+            reference=not args.no_reference,
+            reference_repeat=args.reference_repeat,
+        )
+        print(
+            f"N={n} W={args.world_size}: {record.shape_mix}, "
+            f"{record.total_elements:.3e} elements (shapes in {record.shape_gen_s * 1e3:.1f} ms)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for difference in record.differences:
+            print(f"  MISMATCH {difference}", file=sys.stderr)
+        records.append({**record.as_dict(), **env})
+
+    print(report.plan_tables(records))
+    if args.json:
+        report.write_json(records, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        report.plot_plan_times(records, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+    mismatched = [
+        r["n_params"]
+        for r in records
+        if r["outputs_equal"] is False or r["flat_outputs_equal"] is False
+    ]
+    if mismatched:
+        print(f"error: fsdp-rs and the reference differ for N in {mismatched}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_rs.bench",
+        description="fsdp-rs microbenchmarks.",
+    )
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    subparsers.required = True
+    _add_plan(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m fsdp_rs.bench``; returns the exit status (argparse exits 2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)

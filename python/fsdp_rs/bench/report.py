@@ -1,0 +1,158 @@
+"""Output of benchmark records: text tables, JSON, and a log-log plot (matplotlib, lazily)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MATPLOTLIB_HINT",
+    "format_table",
+    "matplotlib_available",
+    "plan_tables",
+    "plot_plan_times",
+    "write_json",
+]
+
+MATPLOTLIB_HINT = "--plot needs matplotlib: pip install matplotlib (or pip install 'fsdp-rs[plot]')"
+
+Record = Mapping[str, Any]
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Right-aligned columns under a header and a rule."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _per_param_ns(seconds: float | None, n: int) -> float | None:
+    return None if seconds is None else seconds / max(n, 1) * 1e9
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _plan_rows(records: Sequence[Record], prefix: str) -> list[list[str]]:
+    rows = []
+    for r in records:
+        n = r["n_params"]
+        rust, ref = r[f"{prefix}fsdp_rs_s"], r[f"{prefix}reference_s"]
+        rows.append(
+            [
+                _fmt(n, "d"),
+                _fmt(r["world_size"], "d"),
+                _fmt(_ms(rust), ".3f"),
+                _fmt(_per_param_ns(rust, n), ".1f"),
+                _fmt(_ms(ref), ".1f"),
+                _fmt(_per_param_ns(ref, n), ".0f"),
+                _fmt(r[f"{prefix}speedup"], ".1f"),
+                _fmt(r[f"{prefix}plan_bytes_per_param"], ".1f"),
+                _fmt(r[f"{prefix}outputs_equal"], ""),
+            ]
+        )
+    return rows
+
+
+_PLAN_HEADERS = (
+    "n_params",
+    "W",
+    "fsdp-rs ms",
+    "ns/param",
+    "reference ms",
+    "ns/param",
+    "speedup",
+    "plan B/param",
+    "equal",
+)
+
+
+def plan_tables(records: Sequence[Record]) -> str:
+    """The FSDP2 ``plan_group`` table, then the FSDP1 ``plan_flat`` table."""
+    parts = []
+    for title, prefix in (
+        ("plan_group (FSDP2 group plan)", ""),
+        ("plan_flat (FSDP1 flat metadata)", "flat_"),
+    ):
+        parts.append(title)
+        parts.append(format_table(_PLAN_HEADERS, _plan_rows(records, prefix)))
+        parts.append("")
+    return "\n".join(parts).rstrip("\n")
+
+
+def write_json(records: Sequence[Record], path: str | Path) -> None:
+    """A JSON list of the records (strict JSON: no NaN or Infinity)."""
+    text = json.dumps(list(records), indent=2, allow_nan=False)
+    Path(path).write_text(text + "\n")
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot_plan_times(records: Sequence[Record], path: str | Path) -> None:
+    """Log-log seconds per plan against ``n_params``, fsdp-rs vs reference, per world size.
+
+    Draws with matplotlib's Agg canvas directly (no pyplot, no global backend).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(MATPLOTLIB_HINT) from e
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series = (
+        ("fsdp-rs plan_group", "fsdp_rs_s", "C0", "-"),
+        ("reference plan_group", "reference_s", "C1", "-"),
+        ("fsdp-rs plan_flat", "flat_fsdp_rs_s", "C0", "--"),
+        ("reference plan_flat", "flat_reference_s", "C1", "--"),
+    )
+    world_sizes = sorted({r["world_size"] for r in records})
+    markers = "os^vD<>"
+    for i, w in enumerate(world_sizes):
+        rows = sorted((r for r in records if r["world_size"] == w), key=lambda r: r["n_params"])
+        for label, key, color, style in series:
+            points = [(r["n_params"], r[key]) for r in rows if r[key] is not None]
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            suffix = f" (W={w})" if len(world_sizes) > 1 else ""
+            ax.plot(
+                xs,
+                ys,
+                linestyle=style,
+                color=color,
+                marker=markers[i % len(markers)],
+                label=label + suffix,
+            )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters in the group (N)")
+    ax.set_ylabel("seconds per plan (from Python)")
+    title = "fsdp-rs planner vs pure-Python reference"
+    if len(world_sizes) == 1:
+        title += f", W={world_sizes[0]}"
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,22 @@
+//! fsdp-rs planner: all sharding arithmetic for fully sharded data parallelism,
+//! as plain Rust over flat integer arrays. No Python, no tensors: the
+//! `fsdp-rs-python` crate binds it, and the runtime hands its tables to kernels.
+//!
+//! - [`GroupPlan`]: FSDP2 per-parameter metadata, the group-buffer row layout
+//!   and the copy tile table ([Note: FSDP2 sharding rule], [Note: Row layout],
+//!   [Note: Tile table] in `group.rs`).
+//! - [`FlatPlan`]: FSDP1 flat-parameter metadata ([Note: FSDP1 flat sharding]).
+//! - [`peak_memory`]: peak bytes over a sequence of groups ([Note: Memory model]).
+
+mod arith;
+mod error;
+mod flat;
+mod group;
+mod memory;
+mod shapes;
+
+pub use error::{PlanError, Result};
+pub use flat::{FlatPlan, NOT_IN_SHARD};
+pub use group::{BufferBytes, GroupConfig, GroupPlan, DEFAULT_ALIGNMENT, DEFAULT_TILE_NUMEL};
+pub use memory::{peak_memory, GroupBytes, PeakMemory};
+pub use shapes::Shapes;

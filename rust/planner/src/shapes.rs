@@ -1,0 +1,133 @@
+//! Validated parameter shapes: the flat `(ndims, dims)` input every planner takes.
+
+use crate::error::{PlanError, Result};
+
+/// Shapes of a parameter group, validated: every ndim >= 1, every size >= 0 and
+/// every numel representable as an `i64`.
+#[derive(Debug, Clone, Copy)]
+pub struct Shapes<'a> {
+    ndims: &'a [i64],
+    dims: &'a [i64],
+}
+
+impl<'a> Shapes<'a> {
+    /// Validate `ndims` and `dims` (the shapes concatenated in parameter order).
+    pub fn new(ndims: &'a [i64], dims: &'a [i64]) -> Result<Self> {
+        if ndims.len() > i32::MAX as usize {
+            return Err(PlanError::TooManyParams {
+                num_params: ndims.len(),
+            });
+        }
+        let mut total: i64 = 0;
+        for (index, &ndim) in ndims.iter().enumerate() {
+            if ndim == 0 {
+                return Err(PlanError::ScalarParam { index });
+            }
+            if ndim < 0 {
+                return Err(PlanError::NegativeNdim { index, ndim });
+            }
+            total = total.saturating_add(ndim);
+        }
+        if total != dims.len() as i64 {
+            return Err(PlanError::DimsLength {
+                expected: total,
+                got: dims.len(),
+            });
+        }
+        let shapes = Self { ndims, dims };
+        let mut start = 0usize;
+        for (index, &ndim) in ndims.iter().enumerate() {
+            let shape = &dims[start..start + ndim as usize];
+            let mut numel: i64 = 1;
+            for (axis, &size) in shape.iter().enumerate() {
+                if size < 0 {
+                    return Err(PlanError::NegativeDim { index, axis, size });
+                }
+                numel = numel.checked_mul(size).ok_or(PlanError::Overflow {
+                    index: Some(index),
+                    what: "numel",
+                })?;
+            }
+            start += ndim as usize;
+        }
+        Ok(shapes)
+    }
+
+    pub fn len(&self) -> usize {
+        self.ndims.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ndims.is_empty()
+    }
+
+    pub fn total_dims(&self) -> usize {
+        self.dims.len()
+    }
+
+    /// Iterate over each parameter's shape, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &'a [i64]> + 'a {
+        let dims = self.dims;
+        let mut start = 0usize;
+        self.ndims.iter().map(move |&ndim| {
+            let shape = &dims[start..start + ndim as usize];
+            start += ndim as usize;
+            shape
+        })
+    }
+}
+
+/// `prod(shape[1..])`; validated shapes never overflow (the full product fits, and
+/// a zero anywhere makes the product zero).
+#[inline]
+pub fn inner_numel(shape: &[i64]) -> i64 {
+    shape[1..]
+        .iter()
+        .fold(1i64, |acc, &d| acc.saturating_mul(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_bad_shapes() {
+        assert_eq!(
+            Shapes::new(&[1, 0], &[3]).unwrap_err(),
+            PlanError::ScalarParam { index: 1 }
+        );
+        assert_eq!(
+            Shapes::new(&[-1], &[]).unwrap_err(),
+            PlanError::NegativeNdim { index: 0, ndim: -1 }
+        );
+        assert_eq!(
+            Shapes::new(&[2], &[3]).unwrap_err(),
+            PlanError::DimsLength {
+                expected: 2,
+                got: 1
+            }
+        );
+        assert_eq!(
+            Shapes::new(&[1, 2], &[3, 4, -5]).unwrap_err(),
+            PlanError::NegativeDim {
+                index: 1,
+                axis: 1,
+                size: -5
+            }
+        );
+        assert_eq!(
+            Shapes::new(&[2], &[1 << 40, 1 << 40]).unwrap_err(),
+            PlanError::Overflow {
+                index: Some(0),
+                what: "numel"
+            }
+        );
+    }
+
+    #[test]
+    fn zero_first_dim_admits_any_later_sizes() {
+        // numel is 0, so torch accepts the shape; the planner must too.
+        let shapes = Shapes::new(&[3], &[0, i64::MAX, i64::MAX]).unwrap();
+        assert_eq!(shapes.iter().next().unwrap(), &[0, i64::MAX, i64::MAX]);
+    }
+}

@@ -1,0 +1,125 @@
+//! `fsdp_rs._core`: thin PyO3 bindings over `fsdp-rs-planner`. Arguments are
+//! checked and copied in with the GIL held; planning runs with it released.
+
+mod arrays;
+mod errors;
+mod plans;
+
+use arrays::int64_vec;
+use errors::run_planner;
+use fsdp_rs_planner as planner;
+use plans::{FlatPlan, GroupPlan};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Plan one FSDP2 parameter group (see `_core.pyi`).
+#[pyfunction]
+#[pyo3(signature = (
+    ndims, dims, world_size, rank, *, orig_elem_size = 4, param_elem_size = None,
+    reduce_elem_size = None, alignment = planner::DEFAULT_ALIGNMENT,
+    post_forward_world_size = None, tile_numel = planner::DEFAULT_TILE_NUMEL,
+))]
+#[allow(clippy::too_many_arguments)]
+fn plan_group(
+    py: Python<'_>,
+    ndims: &Bound<'_, PyAny>,
+    dims: &Bound<'_, PyAny>,
+    world_size: i64,
+    rank: i64,
+    orig_elem_size: i64,
+    param_elem_size: Option<i64>,
+    reduce_elem_size: Option<i64>,
+    alignment: i64,
+    post_forward_world_size: Option<i64>,
+    tile_numel: i64,
+) -> PyResult<GroupPlan> {
+    let ndims = int64_vec(ndims, "ndims")?;
+    let dims = int64_vec(dims, "dims")?;
+    let config = planner::GroupConfig {
+        world_size,
+        rank,
+        orig_elem_size,
+        param_elem_size: param_elem_size.unwrap_or(orig_elem_size),
+        reduce_elem_size: reduce_elem_size.unwrap_or(orig_elem_size),
+        alignment,
+        post_forward_world_size,
+        tile_numel,
+    };
+    let plan = py.detach(|| {
+        run_planner(|| planner::GroupPlan::new(&planner::Shapes::new(&ndims, &dims)?, config))
+    })?;
+    Ok(GroupPlan { plan })
+}
+
+/// FSDP1 flat-parameter metadata for one group (see `_core.pyi`).
+#[pyfunction]
+#[pyo3(signature = (ndims, dims, world_size, rank, *, aligned_numel = 0))]
+fn plan_flat(
+    py: Python<'_>,
+    ndims: &Bound<'_, PyAny>,
+    dims: &Bound<'_, PyAny>,
+    world_size: i64,
+    rank: i64,
+    aligned_numel: i64,
+) -> PyResult<FlatPlan> {
+    let ndims = int64_vec(ndims, "ndims")?;
+    let dims = int64_vec(dims, "dims")?;
+    let plan = py.detach(|| {
+        run_planner(|| {
+            let shapes = planner::Shapes::new(&ndims, &dims)?;
+            planner::FlatPlan::new(&shapes, world_size, rank, aligned_numel)
+        })
+    })?;
+    Ok(FlatPlan { plan })
+}
+
+/// Peak bytes for groups run in order (see `_core.pyi`).
+#[pyfunction]
+#[pyo3(signature = (
+    sharded_bytes, all_gather_bytes, unsharded_bytes, reduce_scatter_input_bytes,
+    reduce_scatter_output_bytes, *, prefetch = 1, reshard_after_forward = true,
+))]
+#[allow(clippy::too_many_arguments)]
+fn peak_memory<'py>(
+    py: Python<'py>,
+    sharded_bytes: &Bound<'py, PyAny>,
+    all_gather_bytes: &Bound<'py, PyAny>,
+    unsharded_bytes: &Bound<'py, PyAny>,
+    reduce_scatter_input_bytes: &Bound<'py, PyAny>,
+    reduce_scatter_output_bytes: &Bound<'py, PyAny>,
+    prefetch: i64,
+    reshard_after_forward: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let sharded = int64_vec(sharded_bytes, "sharded_bytes")?;
+    let all_gather = int64_vec(all_gather_bytes, "all_gather_bytes")?;
+    let unsharded = int64_vec(unsharded_bytes, "unsharded_bytes")?;
+    let rs_in = int64_vec(reduce_scatter_input_bytes, "reduce_scatter_input_bytes")?;
+    let rs_out = int64_vec(reduce_scatter_output_bytes, "reduce_scatter_output_bytes")?;
+    let groups = planner::GroupBytes {
+        sharded: &sharded,
+        all_gather: &all_gather,
+        unsharded: &unsharded,
+        reduce_scatter_input: &rs_in,
+        reduce_scatter_output: &rs_out,
+    };
+    let peak = run_planner(|| planner::peak_memory(groups, prefetch, reshard_after_forward))?;
+    let out = PyDict::new(py);
+    out.set_item("persistent", peak.persistent)?;
+    out.set_item("forward", peak.forward)?;
+    out.set_item("backward", peak.backward)?;
+    out.set_item("peak", peak.peak)?;
+    Ok(out)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEFAULT_ALIGNMENT", planner::DEFAULT_ALIGNMENT)?;
+    m.add("DEFAULT_TILE_NUMEL", planner::DEFAULT_TILE_NUMEL)?;
+    m.add_class::<GroupPlan>()?;
+    m.add_class::<FlatPlan>()?;
+    m.add_function(wrap_pyfunction!(plan_group, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_flat, m)?)?;
+    m.add_function(wrap_pyfunction!(peak_memory, m)?)?;
+    Ok(())
+}
