@@ -181,9 +181,7 @@ def test_fsdp2_param_metadata(planner, fake_pg, world_size, rank, reshard_after_
 
 
 @pytest.mark.parametrize("reshard_after_forward", [0, 3, 5, 16, -2])
-def test_bad_post_forward_world_size_rejected_like_torch(
-    planner, fake_pg, reshard_after_forward
-):
+def test_bad_post_forward_world_size_rejected_like_torch(planner, fake_pg, reshard_after_forward):
     world_size = 8
     fake_pg(world_size, 0)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -201,9 +199,7 @@ FLAT_SHAPES = [(17, 3), (0,), (7,), (2, 2), (5,), (1,), (3, 0, 2), (13,), (4, 4)
 FLAT_CASES = [(1, [0]), (2, [0, 1]), (3, [0, 2]), (8, [0, 3, 7]), (128, [0, 1, 127])]
 
 
-@pytest.mark.parametrize(
-    ("world_size", "rank"), [(w, r) for w, ranks in FLAT_CASES for r in ranks]
-)
+@pytest.mark.parametrize(("world_size", "rank"), [(w, r) for w, ranks in FLAT_CASES for r in ranks])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fsdp1_flat_metadata(planner, fake_pg, world_size, rank, use_orig_params, dtype):

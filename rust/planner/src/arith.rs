@@ -8,6 +8,33 @@ pub fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
 }
 
+/// A divisor fixed for a whole plan: powers of two (the usual world sizes and
+/// tile sizes) divide by shifting, which is several times cheaper than `idiv`.
+#[derive(Debug, Clone, Copy)]
+pub struct Divisor {
+    divisor: i64,
+    shift: Option<u32>,
+}
+
+impl Divisor {
+    /// `divisor >= 1`.
+    pub fn new(divisor: i64) -> Self {
+        Self {
+            divisor,
+            shift: is_pow2(divisor).then(|| divisor.trailing_zeros()),
+        }
+    }
+
+    /// `ceil(a / divisor)` for `a >= 0`.
+    #[inline]
+    pub fn ceil_div(self, a: i64) -> i64 {
+        match self.shift {
+            Some(shift) => (a >> shift) + i64::from(a & (self.divisor - 1) != 0),
+            None => ceil_div(a, self.divisor),
+        }
+    }
+}
+
 /// Round `x` up to a multiple of `align` (a power of two).
 #[inline]
 pub fn align_up(x: i64, align: i64, index: Option<usize>, what: &'static str) -> Result<i64> {
@@ -42,6 +69,16 @@ mod tests {
         assert_eq!(ceil_div(9, 8), 2);
         assert_eq!(ceil_div(i64::MAX, 1), i64::MAX);
         assert_eq!(ceil_div(i64::MAX, 2), i64::MAX / 2 + 1);
+    }
+
+    #[test]
+    fn divisor_matches_ceil_div() {
+        for d in [1, 2, 3, 7, 8, 1024, 65536, 1000] {
+            let by = Divisor::new(d);
+            for a in [0, 1, d - 1, d, d + 1, 12345, i64::MAX - 1, i64::MAX] {
+                assert_eq!(by.ceil_div(a), ceil_div(a, d), "{a} / {d}");
+            }
+        }
     }
 
     #[test]

@@ -38,9 +38,11 @@
 //! entries: for 1e12 elements over 1024 ranks, `S` ~ 1e9 and the table is
 //! ~15k entries (a quarter of a MB) plus one per parameter.
 
-use crate::arith::{add, align_up, ceil_div, is_pow2, mul};
+use crate::alloc::zeroed;
+use crate::arith::{add, align_up, is_pow2, mul, Divisor};
 use crate::error::{PlanError, Result};
-use crate::shapes::{inner_numel, Shapes};
+use crate::parallel::{even_bounds, map_chunks, num_chunks};
+use crate::shapes::Shapes;
 
 pub const DEFAULT_ALIGNMENT: i64 = 16;
 pub const DEFAULT_TILE_NUMEL: i64 = 1 << 16;
@@ -182,104 +184,240 @@ fn chunk_rows_of(d0: i64, inner: i64, chunk: i64, rank: i64) -> i64 {
     if inner == 0 {
         return 0;
     }
-    // rank * chunk <= d0 + chunk * world_size fits: both factors are small.
+    // Saturating: past i64::MAX the rank starts beyond d0 anyway.
     (d0 - rank.saturating_mul(chunk)).clamp(0, chunk)
 }
 
+/// The output tables of one contiguous range of parameters.
+struct Tables<'a> {
+    numel: &'a mut [i64],
+    chunk_rows: &'a mut [i64],
+    sharded_rows: &'a mut [i64],
+    sharded_numel: &'a mut [i64],
+    padded_sharded_numel: &'a mut [i64],
+    split_sizes: &'a mut [i64],
+    row_offsets: &'a mut [i64],
+    unsharded_offsets: &'a mut [i64],
+    /// The range's entries of `dim_offsets` (without the final total).
+    dim_offsets: &'a mut [i64],
+    sharded_sizes: &'a mut [i64],
+    padded_sharded_sizes: &'a mut [i64],
+    contiguous_strides: &'a mut [i64],
+    post_forward_sizes: Option<&'a mut [i64]>,
+}
+
+impl<'a> Tables<'a> {
+    /// Split after `params` parameters holding `dims` sizes.
+    fn split_at(self, params: usize, dims: usize) -> (Self, Self) {
+        macro_rules! cut {
+            ($($field:ident @ $at:expr),*) => {{
+                $(let $field = self.$field.split_at_mut($at);)*
+                let (pf_a, pf_b) = match self.post_forward_sizes {
+                    Some(t) => {
+                        let (a, b) = t.split_at_mut(dims);
+                        (Some(a), Some(b))
+                    }
+                    None => (None, None),
+                };
+                (
+                    Tables { $($field: $field.0,)* post_forward_sizes: pf_a },
+                    Tables { $($field: $field.1,)* post_forward_sizes: pf_b },
+                )
+            }};
+        }
+        cut!(
+            numel @ params, chunk_rows @ params, sharded_rows @ params,
+            sharded_numel @ params, padded_sharded_numel @ params, split_sizes @ params,
+            row_offsets @ params, unsharded_offsets @ params, dim_offsets @ params,
+            sharded_sizes @ dims, padded_sharded_sizes @ dims, contiguous_strides @ dims
+        )
+    }
+
+    /// Shift the range's offsets by the totals of the ranges before it.
+    fn shift(&mut self, base: Totals, first_index: usize) -> Result<()> {
+        let at = Some(first_index);
+        let shift_all = |table: &mut [i64], by: i64, what| -> Result<()> {
+            for value in table.iter_mut() {
+                *value = add(*value, by, at, what)?;
+            }
+            Ok(())
+        };
+        shift_all(self.row_offsets, base.row, "row offset")?;
+        shift_all(self.unsharded_offsets, base.unsharded, "unsharded offset")?;
+        shift_all(self.dim_offsets, base.dims, "dim offset")
+    }
+}
+
+/// What a range of parameters adds to each running offset.
+#[derive(Debug, Clone, Copy, Default)]
+struct Totals {
+    row: i64,
+    unsharded: i64,
+    dims: i64,
+    tiles: i64,
+}
+
+impl Totals {
+    fn checked_add(self, other: Totals) -> Result<Totals> {
+        let what = "buffer size";
+        Ok(Totals {
+            row: add(self.row, other.row, None, what)?,
+            unsharded: add(self.unsharded, other.unsharded, None, what)?,
+            dims: self.dims + other.dims,
+            tiles: self.tiles.saturating_add(other.tiles),
+        })
+    }
+}
+
+/// Fill one range's tables with offsets relative to the range's start
+/// ([Note: FSDP2 sharding rule], [Note: Row layout]).
+fn fill_range(
+    shapes: &Shapes<'_>,
+    first_index: usize,
+    config: &GroupConfig,
+    align: i64,
+    t: &mut Tables<'_>,
+) -> Result<Totals> {
+    let world = config.world_size;
+    let by_world = Divisor::new(world);
+    let by_tile = Divisor::new(config.tile_numel);
+    let rank = config.rank;
+    let pf = config
+        .post_forward_world_size
+        .zip(config.post_forward_rank());
+    let by_pf = pf.map(|(pf_world, pf_rank)| (Divisor::new(pf_world), pf_rank));
+    let mut totals = Totals::default();
+    let mut dim_start = 0usize;
+    for (i, shape) in shapes.iter().enumerate() {
+        let at = Some(first_index + i);
+        let ndim = shape.len();
+        let dims = dim_start..dim_start + ndim;
+        let sharded_sizes = &mut t.sharded_sizes[dims.clone()];
+        let padded_sizes = &mut t.padded_sharded_sizes[dims.clone()];
+        let strides = &mut t.contiguous_strides[dims.clone()];
+        // One pass from the last dim: sizes after dim 0 are copied as they
+        // are, strides multiply max(size, 1), inner multiplies the sizes.
+        let mut stride: i64 = 1;
+        let mut inner: i64 = 1;
+        for axis in (1..ndim).rev() {
+            let size = shape[axis];
+            sharded_sizes[axis] = size;
+            padded_sizes[axis] = size;
+            strides[axis] = stride;
+            stride = mul(stride, size.max(1), at, "contiguous stride")?;
+            // Saturates only when d0 == 0 (Shapes::new checked the product).
+            inner = inner.saturating_mul(size);
+        }
+        strides[0] = stride;
+        let d0 = shape[0];
+        let chunk = by_world.ceil_div(d0);
+        let rows = chunk_rows_of(d0, inner, chunk, rank);
+        sharded_sizes[0] = rows;
+        padded_sizes[0] = chunk;
+        if let (Some(sizes), Some((by_pf, pf_rank))) = (t.post_forward_sizes.as_deref_mut(), by_pf)
+        {
+            let sizes = &mut sizes[dims];
+            sizes.copy_from_slice(shape);
+            sizes[0] = chunk_rows_of(d0, inner, by_pf.ceil_div(d0), pf_rank);
+        }
+        // chunk <= d0 and rows <= d0, so these products are at most numel.
+        let padded = if d0 == 0 { 0 } else { chunk * inner };
+        t.numel[i] = d0 * inner;
+        t.chunk_rows[i] = chunk;
+        t.sharded_rows[i] = rows;
+        t.sharded_numel[i] = rows * inner;
+        t.padded_sharded_numel[i] = padded;
+
+        // Segments start aligned, so their lengths do not depend on where.
+        let split = align_up(padded, align, at, "row segment")?;
+        let unsharded = mul(padded, world, at, "unsharded numel")?;
+        let unsharded = align_up(unsharded, align, at, "unsharded numel")?;
+        t.split_sizes[i] = split;
+        t.row_offsets[i] = totals.row;
+        t.unsharded_offsets[i] = totals.unsharded;
+        t.dim_offsets[i] = totals.dims;
+        totals.row = add(totals.row, split, at, "row offset")?;
+        totals.unsharded = add(totals.unsharded, unsharded, at, "unsharded offset")?;
+        totals.dims += ndim as i64;
+        totals.tiles = totals.tiles.saturating_add(by_tile.ceil_div(split));
+        dim_start += ndim;
+    }
+    Ok(totals)
+}
+
 impl GroupPlan {
-    /// Plan a group. Pure arithmetic: no allocation beyond the output tables.
+    /// Plan a group: one pass over the shapes, split over a few threads for
+    /// large groups ([Note: Parallel planning]).
     pub fn new(shapes: &Shapes<'_>, config: GroupConfig) -> Result<Self> {
+        Self::with_ranges(shapes, config, num_chunks(shapes.len()))
+    }
+
+    /// [`GroupPlan::new`] with the parameters cut into `ranges` ranges.
+    fn with_ranges(shapes: &Shapes<'_>, config: GroupConfig, ranges: usize) -> Result<Self> {
         config.validate()?;
         let num_params = shapes.len();
         let total_dims = shapes.total_dims();
-        let world = config.world_size;
-        let rank = config.rank;
         let align = config.align_numel();
-        let pf = config
-            .post_forward_world_size
-            .zip(config.post_forward_rank());
+        let has_pf = config.post_forward_world_size.is_some();
 
-        let mut dim_offsets = Vec::with_capacity(num_params + 1);
-        let mut numel = Vec::with_capacity(num_params);
-        let mut chunk_rows = Vec::with_capacity(num_params);
-        let mut sharded_rows = Vec::with_capacity(num_params);
-        let mut sharded_numel = Vec::with_capacity(num_params);
-        let mut padded_sharded_numel = Vec::with_capacity(num_params);
-        let mut sharded_sizes = Vec::with_capacity(total_dims);
-        let mut padded_sharded_sizes = Vec::with_capacity(total_dims);
-        let mut contiguous_strides = vec![0i64; total_dims];
-        let mut post_forward_sizes = pf.map(|_| Vec::with_capacity(total_dims));
-        let mut row_offsets = Vec::with_capacity(num_params);
-        let mut split_sizes = Vec::with_capacity(num_params);
-        let mut unsharded_offsets = Vec::with_capacity(num_params);
+        let mut numel = zeroed(num_params);
+        let mut chunk_rows = zeroed(num_params);
+        let mut sharded_rows = zeroed(num_params);
+        let mut sharded_numel = zeroed(num_params);
+        let mut padded_sharded_numel = zeroed(num_params);
+        let mut split_sizes = zeroed(num_params);
+        let mut row_offsets = zeroed(num_params);
+        let mut unsharded_offsets = zeroed(num_params);
+        let mut dim_offsets = zeroed(num_params + 1);
+        let mut sharded_sizes = zeroed(total_dims);
+        let mut padded_sharded_sizes = zeroed(total_dims);
+        let mut contiguous_strides = zeroed(total_dims);
+        let mut post_forward_sizes = has_pf.then(|| zeroed(total_dims));
 
-        let mut dim_start: usize = 0;
-        let mut row_end: i64 = 0;
-        let mut unsharded_end: i64 = 0;
-        dim_offsets.push(0);
-        for (index, shape) in shapes.iter().enumerate() {
-            let at = Some(index);
-            let ndim = shape.len();
-            let d0 = shape[0];
-            let inner = inner_numel(shape);
-            let rest = &shape[1..];
-            let chunk = ceil_div(d0, world);
-            let rows = chunk_rows_of(d0, inner, chunk, rank);
-            // chunk <= d0 and rows <= d0, so these products are at most numel.
-            let padded = if d0 == 0 {
-                0
-            } else {
-                mul(chunk, inner, at, "padded shard numel")?
-            };
-
-            numel.push(d0 * inner);
-            chunk_rows.push(chunk);
-            sharded_rows.push(rows);
-            sharded_numel.push(rows * inner);
-            padded_sharded_numel.push(padded);
-
-            sharded_sizes.push(rows);
-            sharded_sizes.extend_from_slice(rest);
-            padded_sharded_sizes.push(chunk);
-            padded_sharded_sizes.extend_from_slice(rest);
-            if let (Some(sizes), Some((pf_world, pf_rank))) = (post_forward_sizes.as_mut(), pf) {
-                sizes.push(chunk_rows_of(d0, inner, ceil_div(d0, pf_world), pf_rank));
-                sizes.extend_from_slice(rest);
-            }
-            let strides = &mut contiguous_strides[dim_start..dim_start + ndim];
-            let mut stride: i64 = 1;
-            for axis in (0..ndim).rev() {
-                strides[axis] = stride;
-                if axis > 0 {
-                    stride = mul(stride, shape[axis].max(1), at, "contiguous stride")?;
-                }
-            }
-
-            row_offsets.push(row_end);
-            let next_row = align_up(
-                add(row_end, padded, at, "row offset")?,
-                align,
-                at,
-                "row offset",
-            )?;
-            split_sizes.push(next_row - row_end);
-            row_end = next_row;
-
-            unsharded_offsets.push(unsharded_end);
-            let unsharded = mul(padded, world, at, "unsharded numel")?;
-            unsharded_end = align_up(
-                add(unsharded_end, unsharded, at, "unsharded offset")?,
-                align,
-                at,
-                "unsharded offset",
-            )?;
-
-            dim_start += ndim;
-            dim_offsets.push(dim_start as i64);
+        let mut rest = Tables {
+            numel: &mut numel,
+            chunk_rows: &mut chunk_rows,
+            sharded_rows: &mut sharded_rows,
+            sharded_numel: &mut sharded_numel,
+            padded_sharded_numel: &mut padded_sharded_numel,
+            split_sizes: &mut split_sizes,
+            row_offsets: &mut row_offsets,
+            unsharded_offsets: &mut unsharded_offsets,
+            dim_offsets: &mut dim_offsets[..num_params],
+            sharded_sizes: &mut sharded_sizes,
+            padded_sharded_sizes: &mut padded_sharded_sizes,
+            contiguous_strides: &mut contiguous_strides,
+            post_forward_sizes: post_forward_sizes.as_deref_mut(),
+        };
+        let ranges = shapes.split(&even_bounds(num_params, ranges.max(1)));
+        let mut work = Vec::with_capacity(ranges.len());
+        for (first, _, range) in ranges {
+            let (head, tail) = rest.split_at(range.len(), range.total_dims());
+            work.push((first, range, head));
+            rest = tail;
         }
+        let filled = map_chunks(work, |(first, range, mut tables)| {
+            let totals = fill_range(&range, first, &config, align, &mut tables)?;
+            Ok::<_, PlanError>((first, totals, tables))
+        });
 
-        let (tile_param, tile_start, tile_len) = tile_table(&split_sizes, config.tile_numel)?;
-        let bytes = buffer_bytes(&config, row_end, unsharded_end)?;
+        // Shift each range by the ranges before it, in order, so the first
+        // error reported is the one at the lowest parameter index.
+        let mut base = Totals::default();
+        let mut tile_bases = Vec::with_capacity(filled.len());
+        for result in filled {
+            let (first, totals, mut tables) = result?;
+            if first > 0 {
+                tables.shift(base, first)?;
+            }
+            tile_bases.push((first, base.tiles));
+            base = base.checked_add(totals)?;
+        }
+        dim_offsets[num_params] = base.dims;
+
+        let (tile_param, tile_start, tile_len) =
+            tile_table(&split_sizes, &tile_bases, base.tiles, config.tile_numel)?;
+        let bytes = buffer_bytes(&config, base.row, base.unsharded)?;
         Ok(Self {
             config,
             align_numel: align,
@@ -299,8 +437,8 @@ impl GroupPlan {
             tile_param,
             tile_start,
             tile_len,
-            row_numel: row_end,
-            unsharded_numel: unsharded_end,
+            row_numel: base.row,
+            unsharded_numel: base.unsharded,
             bytes,
         })
     }
@@ -337,33 +475,53 @@ impl GroupPlan {
 }
 
 /// Cut every row segment into tiles of at most `tile_numel` elements
-/// ([Note: Tile table]).
-fn tile_table(split_sizes: &[i64], tile_numel: i64) -> Result<(Vec<i32>, Vec<i64>, Vec<i32>)> {
-    // Each term is at most i64::MAX / 1 but the sum of ceil(split / tile) is at
-    // most S, which the row layout already bounded by i64::MAX.
-    let count: i64 = split_sizes.iter().map(|&s| ceil_div(s, tile_numel)).sum();
-    if count > i64::from(i32::MAX) {
+/// ([Note: Tile table]). `bases` holds `(first param, first tile)` per range.
+fn tile_table(
+    split_sizes: &[i64],
+    bases: &[(usize, i64)],
+    num_tiles: i64,
+    tile_numel: i64,
+) -> Result<(Vec<i32>, Vec<i64>, Vec<i32>)> {
+    if num_tiles > i64::from(i32::MAX) {
         return Err(PlanError::TooManyTiles {
-            num_tiles: count,
+            num_tiles,
             tile_numel,
         });
     }
-    let count = count as usize;
-    let mut param = Vec::with_capacity(count);
-    let mut start = Vec::with_capacity(count);
-    let mut len = Vec::with_capacity(count);
-    for (p, &split) in split_sizes.iter().enumerate() {
-        // Shapes::new bounds the param count by i32::MAX; tile_numel too.
-        let p = p as i32;
-        let mut at = 0i64;
-        while at < split {
-            let n = tile_numel.min(split - at);
-            param.push(p);
-            start.push(at);
-            len.push(n as i32);
-            at += n;
-        }
+    let count = num_tiles as usize;
+    let mut param = zeroed(count);
+    let mut start = zeroed(count);
+    let mut len = zeroed(count);
+    let mut work = Vec::with_capacity(bases.len());
+    let (mut param_rest, mut start_rest, mut len_rest) =
+        (&mut param[..], &mut start[..], &mut len[..]);
+    for (k, &(first, tile_base)) in bases.iter().enumerate() {
+        let (end, tile_end) = bases
+            .get(k + 1)
+            .map_or((split_sizes.len(), num_tiles), |&(f, t)| (f, t));
+        let n = (tile_end - tile_base) as usize;
+        let (p, pr) = std::mem::take(&mut param_rest).split_at_mut(n);
+        let (s, sr) = std::mem::take(&mut start_rest).split_at_mut(n);
+        let (l, lr) = std::mem::take(&mut len_rest).split_at_mut(n);
+        (param_rest, start_rest, len_rest) = (pr, sr, lr);
+        work.push((first, &split_sizes[first..end], p, s, l));
     }
+    map_chunks(work, |(first, splits, param, start, len)| {
+        let mut t = 0usize;
+        for (i, &split) in splits.iter().enumerate() {
+            // Shapes::new bounds the param count by i32::MAX; tile_numel too.
+            let p = (first + i) as i32;
+            let mut at = 0i64;
+            while at < split {
+                let n = tile_numel.min(split - at);
+                param[t] = p;
+                start[t] = at;
+                len[t] = n as i32;
+                at += n;
+                t += 1;
+            }
+        }
+    });
     Ok((param, start, len))
 }
 
@@ -517,6 +675,51 @@ mod tests {
         ) = (1, 1, 1);
         let err = single(i64::MAX / 1024 * 1024, bytes1);
         assert!(matches!(err, PlanError::TooManyTiles { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn ranges_plan_like_one_pass() {
+        // Mixed ranks, empty params and 3-D shapes, cut at uneven places.
+        let shapes: Vec<Vec<i64>> = (0..5000i64)
+            .map(|i| match i % 5 {
+                0 => vec![i % 37],
+                1 => vec![i % 11, 7],
+                2 => vec![3, 0, i % 5 + 1],
+                3 => vec![1 + i % 97, 2, 3],
+                _ => vec![4096 + i, 16],
+            })
+            .collect();
+        let ndims: Vec<i64> = shapes.iter().map(|s| s.len() as i64).collect();
+        let dims: Vec<i64> = shapes.iter().flatten().copied().collect();
+        let shapes = Shapes::new(&ndims, &dims).unwrap();
+        let mut config = GroupConfig::new(6, 4);
+        config.post_forward_world_size = Some(3);
+        config.param_elem_size = 2;
+        config.tile_numel = 1000;
+        let one = GroupPlan::with_ranges(&shapes, config, 1).unwrap();
+        for ranges in [2, 3, 7] {
+            assert_eq!(
+                GroupPlan::with_ranges(&shapes, config, ranges).unwrap(),
+                one
+            );
+        }
+        // The error names the lowest bad parameter even when later ranges fail too.
+        let mut bad = dims.clone();
+        let at = |p: usize| ndims[..p].iter().sum::<i64>() as usize;
+        bad[at(4000)] = i64::MAX; // W * n overflows in the last range
+        bad[at(2500)] = i64::MAX; // and in the middle one
+        let shapes = Shapes::new(&ndims, &bad).unwrap();
+        let err = GroupPlan::with_ranges(&shapes, config, 3).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PlanError::Overflow {
+                    index: Some(2500),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -8,11 +8,13 @@
 //! - [`FlatPlan`]: FSDP1 flat-parameter metadata ([Note: FSDP1 flat sharding]).
 //! - [`peak_memory`]: peak bytes over a sequence of groups ([Note: Memory model]).
 
+pub mod alloc;
 mod arith;
 mod error;
 mod flat;
 mod group;
 mod memory;
+mod parallel;
 mod shapes;
 
 pub use error::{PlanError, Result};

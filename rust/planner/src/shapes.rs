@@ -53,6 +53,22 @@ impl<'a> Shapes<'a> {
         Ok(shapes)
     }
 
+    /// Cut the group into contiguous ranges starting at the given parameter
+    /// indices (`bounds` ascending, first 0, last `len()`). Each item is
+    /// `(first param index, first dim index, shapes of the range)`.
+    pub fn split(&self, bounds: &[usize]) -> Vec<(usize, usize, Shapes<'a>)> {
+        let mut out = Vec::with_capacity(bounds.len().saturating_sub(1));
+        let mut dim_start = 0usize;
+        for pair in bounds.windows(2) {
+            let ndims = &self.ndims[pair[0]..pair[1]];
+            let dim_len = ndims.iter().sum::<i64>() as usize;
+            let dims = &self.dims[dim_start..dim_start + dim_len];
+            out.push((pair[0], dim_start, Shapes { ndims, dims }));
+            dim_start += dim_len;
+        }
+        out
+    }
+
     pub fn len(&self) -> usize {
         self.ndims.len()
     }
@@ -75,15 +91,6 @@ impl<'a> Shapes<'a> {
             shape
         })
     }
-}
-
-/// `prod(shape[1..])`; validated shapes never overflow (the full product fits, and
-/// a zero anywhere makes the product zero).
-#[inline]
-pub fn inner_numel(shape: &[i64]) -> i64 {
-    shape[1..]
-        .iter()
-        .fold(1i64, |acc, &d| acc.saturating_mul(d))
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ pub fn int64_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     if let Ok(array) = obj.cast::<PyArray1<i64>>() {
         let array = array.readonly();
         return Ok(match array.as_slice() {
-            Ok(slice) => slice.to_vec(),
+            Ok(slice) => fsdp_rs_planner::alloc::copied(slice),
             Err(_) => array.as_array().iter().copied().collect(),
         });
     }
