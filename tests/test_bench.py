@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import fsdp_rs
 import numpy as np
 import pytest
+
+import fsdp_rs
 from fsdp_rs.bench import cli, plan, report
 from fsdp_rs.bench.shapes import (
     ELEMENT_BUDGET_PER_RANK,
