@@ -425,6 +425,9 @@ HUGE_GROUPS = [
     ([(1, 2**62, 4)], 1, {}),  # contiguous stride 2**64 (numel overflows too)
     ([(0, 2**40, 2**40)], 1, {}),  # numel 0 but contiguous stride 2**80
     ([(2**62, 2**62)], 1024, {}),
+    ([(2**40, 2**40, 0)], 8, {}),  # numel 0, but a partial product overflows (torch rejects it)
+    # more than 2**31 - 1 tiles (not in the spec; Rust rejects it, so the reference does)
+    ([(2**40,)], 1, {"orig_elem_size": 1, "alignment": 1, "tile_numel": 1}),
 ]
 
 
@@ -436,11 +439,17 @@ def test_group_huge_dims_raise_value_error(planner, shapes, world, options):
 
 @pytest.mark.parametrize(
     ("shapes", "world"),
-    [([(2**62,), (2**62,)], 1), ([(2**63 - 1,), (1,)], 4), ([(2**40, 2**40)], 2)],
+    [
+        ([(2**62,), (2**62,)], 1),
+        ([(2**63 - 1,), (1,)], 4),
+        ([(2**40, 2**40)], 2),
+        ([(2**40, 2**40, 0)], 2),  # partial product overflows
+        ([(2**63 - 1,)], 2),  # end = c * (rank + 1) - 1 with c * W = 2**63
+    ],
 )
 def test_flat_huge_dims_raise_value_error(planner, shapes, world):
     with pytest.raises(ValueError):
-        planner.plan_flat(*arrays(shapes), world, 0, aligned_numel=0)
+        planner.plan_flat(*arrays(shapes), world, world - 1, aligned_numel=0)
 
 
 @requires_rust

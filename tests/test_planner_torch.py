@@ -250,3 +250,18 @@ def test_fsdp1_flat_metadata(planner, fake_pg, world_size, rank, use_orig_params
         )
     )
     assert got == want
+
+
+@pytest.mark.parametrize("shape", [(2**40, 2**40, 0), (2**40, 0, 2**40), (0, 2**40, 2**40)])
+def test_overflowing_shapes_rejected_like_torch(planner, shape):
+    """A zero dim does not excuse an overflowing partial product or stride, as in torch."""
+    try:
+        torch.empty(shape, device="meta")
+    except RuntimeError:
+        with pytest.raises(ValueError):
+            planner.plan_group(*_arrays([shape]), 8, 3)
+    else:
+        plan = planner.plan_group(*_arrays([shape]), 8, 3)
+        assert _table(plan, "contiguous_strides") == list(
+            torch.empty(shape, device="meta").stride()
+        )

@@ -173,6 +173,19 @@ def _overflow(what: str, value: int) -> ValueError:
     return ValueError(f"{what} = {value} overflows int64 (max {INT64_MAX})")
 
 
+def _check_numel(p: int, shape: list[int], numel: int) -> None:
+    """Numel overflows if any left-to-right partial product does (as in torch and Rust):
+    ``(2**40, 2**40, 0)`` is rejected although its numel is 0."""
+    if numel > INT64_MAX:
+        raise _overflow(f"param {p} numel of shape {tuple(shape)}", numel)
+    if numel == 0:
+        partial = 1
+        for d in shape:
+            partial *= d
+            if partial > INT64_MAX:
+                raise _overflow(f"param {p} partial numel of shape {tuple(shape)}", partial)
+
+
 # ----------------------------------------------------------------------------- FSDP2 group
 
 
@@ -237,10 +250,9 @@ def plan_group(
         d0 = dims[lo]
         if stride > INT64_MAX:
             raise _overflow(f"param {p} stride of shape {tuple(dims[lo:hi])}", stride)
-        n_total = d0 * inner
-        if n_total > INT64_MAX:
-            raise _overflow(f"param {p} numel of shape {tuple(dims[lo:hi])}", n_total)
-        numel[p] = n_total
+        numel[p] = n_total = d0 * inner
+        if n_total > INT64_MAX or n_total == 0:
+            _check_numel(p, dims[lo:hi], n_total)
         # dim-0 chunking (torch.chunk + _get_dim_chunked_size)
         c = -(-d0 // world)
         rows = max(0, min(c, d0 - rank * c)) if inner else 0
@@ -277,6 +289,9 @@ def plan_group(
         if value > INT64_MAX:
             raise _overflow(name, value)
 
+    num_tiles = sum(-(-seg // tile_numel) for seg in split_sizes)
+    if num_tiles > INT32_MAX:  # a CUDA grid dimension; not in the spec, but Rust checks it
+        raise ValueError(f"{num_tiles} tiles of {tile_numel} elements; raise tile_numel")
     tile_param: list[int] = []
     tile_start: list[int] = []
     tile_len: list[int] = []
@@ -294,7 +309,6 @@ def plan_group(
         if rest:
             tile_len.append(rest)
 
-    num_tiles = len(tile_param)
     num_dims = len(dims) * (4 if pf_sizes is not None else 3)
     # int64 tables: dim_offsets, 8 per-param tables, 3 or 4 per-dim tables; tiles 4 + 8 + 4 bytes
     plan_bytes = 8 * (num_params + 1 + 8 * num_params + num_dims) + 16 * num_tiles
@@ -353,9 +367,10 @@ def plan_flat(
     flat_offsets = [0] * num_params
     total = 0
     for p in range(num_params):
-        n = math.prod(dims[dim_offsets[p] : dim_offsets[p + 1]])
-        if n > INT64_MAX:
-            raise _overflow(f"param {p} numel", n)
+        shape = dims[dim_offsets[p] : dim_offsets[p + 1]]
+        n = math.prod(shape)
+        if n > INT64_MAX or n == 0:
+            _check_numel(p, shape, n)
         if aligned > 0 and total % aligned:
             total += aligned - total % aligned
         numel[p] = n
@@ -371,9 +386,9 @@ def plan_flat(
     c = -(-total // world)
     padded = c - max(0, min(c, total - rank * c))
     start = c * rank
-    end = start + c - 1  # inclusive
-    if end > INT64_MAX:
-        raise _overflow(f"rank {rank} shard end", end)
+    end = c * (rank + 1) - 1  # inclusive
+    if end + 1 > INT64_MAX:  # the spec checks the product c * (rank + 1)
+        raise _overflow(f"rank {rank} shard end + 1", end + 1)
     in_shard = [False] * num_params
     offset_in_shard = [-1] * num_params
     numel_in_shard = [-1] * num_params

@@ -14,6 +14,7 @@
 //! param intersects whenever its (empty) interval falls inside the shard, and
 //! then has `intra_param_end == -1`; torch keeps that, so the planner does too.
 
+use crate::alloc::zeroed;
 use crate::arith::{add, ceil_div};
 use crate::error::{PlanError, Result};
 use crate::shapes::Shapes;
@@ -21,6 +22,7 @@ use crate::shapes::Shapes;
 /// `-1` stands for torch's `None` in the per-param shard tables.
 pub const NOT_IN_SHARD: i64 = -1;
 
+/// Tables in one allocation ([Note: Huge pages for tables]); accessors return slices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlatPlan {
     pub world_size: i64,
@@ -32,14 +34,39 @@ pub struct FlatPlan {
     pub shard_numel: i64,
     /// Zeros this rank's shard carries past the flat parameter's end.
     pub shard_numel_padded: i64,
-    pub flat_offsets: Vec<i64>,
-    pub numel: Vec<i64>,
-    pub in_shard: Vec<bool>,
-    pub offset_in_shard: Vec<i64>,
-    pub numel_in_shard: Vec<i64>,
-    pub intra_param_start: Vec<i64>,
-    pub intra_param_end: Vec<i64>,
+    /// `TABLES` tables of `P` entries, in the order of the accessors below.
+    tables: Vec<i64>,
+    in_shard: Vec<bool>,
 }
+
+const TABLES: usize = 6;
+
+macro_rules! flat_accessors {
+    ($($(#[$doc:meta])* $name:ident = $k:expr),* $(,)?) => {
+        impl FlatPlan {
+            $(
+                $(#[$doc])*
+                pub fn $name(&self) -> &[i64] {
+                    let p = self.num_params();
+                    &self.tables[$k * p..($k + 1) * p]
+                }
+            )*
+        }
+    };
+}
+
+flat_accessors!(
+    /// Start of each param in the unsharded flat parameter.
+    flat_offsets = 0,
+    numel = 1,
+    /// `-1` ([`NOT_IN_SHARD`]) where the param is not in this rank's shard;
+    /// likewise below.
+    offset_in_shard = 2,
+    numel_in_shard = 3,
+    intra_param_start = 4,
+    /// Inclusive; `-1` is a real value for an empty param inside the shard.
+    intra_param_end = 5,
+);
 
 impl FlatPlan {
     pub fn new(
@@ -57,9 +84,15 @@ impl FlatPlan {
         if aligned_numel < 0 {
             return Err(PlanError::AlignedNumel { aligned_numel });
         }
-        let num_params = shapes.len();
-        let mut flat_offsets = Vec::with_capacity(num_params);
-        let mut numel = Vec::with_capacity(num_params);
+        let p = shapes.len();
+        let mut tables: Vec<i64> = zeroed(TABLES * p);
+        let mut in_shard: Vec<bool> = zeroed(p);
+        let (flat_offsets, rest) = tables.split_at_mut(p);
+        let (numel, rest) = rest.split_at_mut(p);
+        let (offset_in_shard, rest) = rest.split_at_mut(p);
+        let (numel_in_shard, rest) = rest.split_at_mut(p);
+        let (intra_param_start, intra_param_end) = rest.split_at_mut(p);
+
         let mut total: i64 = 0;
         for (index, shape) in shapes.iter().enumerate() {
             let at = Some(index);
@@ -71,8 +104,8 @@ impl FlatPlan {
             }
             // Shapes::new checked that the product fits.
             let n = shape.iter().product::<i64>();
-            flat_offsets.push(total);
-            numel.push(n);
+            flat_offsets[index] = total;
+            numel[index] = n;
             total = add(total, n, at, "flat parameter numel")?;
         }
         if aligned_numel > 0 {
@@ -82,8 +115,8 @@ impl FlatPlan {
             }
         }
         let shard = ceil_div(total, world_size);
-        // c * r <= total + c; c * (r + 1) <= total + c - 1 + c: no overflow unless
-        // total is within 2c of i64::MAX, which the checked forms report.
+        // Checked: the tail rank's bounds pass i64::MAX when total is within
+        // 2 * shard of it.
         let start = shard.checked_mul(rank);
         let end = shard.checked_mul(rank + 1).map(|e| e - 1);
         let (Some(start), Some(end)) = (start, end) else {
@@ -94,20 +127,16 @@ impl FlatPlan {
         };
         let chunk = (total - start).clamp(0, shard);
 
-        let mut in_shard = Vec::with_capacity(num_params);
-        let mut offset_in_shard = Vec::with_capacity(num_params);
-        let mut numel_in_shard = Vec::with_capacity(num_params);
-        let mut intra_param_start = Vec::with_capacity(num_params);
-        let mut intra_param_end = Vec::with_capacity(num_params);
-        for (&pstart, &n) in flat_offsets.iter().zip(&numel) {
-            let pend = pstart + n - 1;
+        for i in 0..p {
+            let pstart = flat_offsets[i];
+            let pend = pstart + numel[i] - 1;
             let inside = start <= pend && end >= pstart;
-            in_shard.push(inside);
+            in_shard[i] = inside;
             if !inside {
-                offset_in_shard.push(NOT_IN_SHARD);
-                numel_in_shard.push(NOT_IN_SHARD);
-                intra_param_start.push(NOT_IN_SHARD);
-                intra_param_end.push(NOT_IN_SHARD);
+                offset_in_shard[i] = NOT_IN_SHARD;
+                numel_in_shard[i] = NOT_IN_SHARD;
+                intra_param_start[i] = NOT_IN_SHARD;
+                intra_param_end[i] = NOT_IN_SHARD;
                 continue;
             }
             let (intra_start, offset) = if start <= pstart {
@@ -116,10 +145,10 @@ impl FlatPlan {
                 (start - pstart, 0)
             };
             let intra_end = pend.min(end) - pstart;
-            offset_in_shard.push(offset);
-            numel_in_shard.push(intra_end - intra_start + 1);
-            intra_param_start.push(intra_start);
-            intra_param_end.push(intra_end);
+            offset_in_shard[i] = offset;
+            numel_in_shard[i] = intra_end - intra_start + 1;
+            intra_param_start[i] = intra_start;
+            intra_param_end[i] = intra_end;
         }
         Ok(Self {
             world_size,
@@ -128,23 +157,23 @@ impl FlatPlan {
             flat_numel: total,
             shard_numel: shard,
             shard_numel_padded: shard - chunk,
-            flat_offsets,
-            numel,
+            tables,
             in_shard,
-            offset_in_shard,
-            numel_in_shard,
-            intra_param_start,
-            intra_param_end,
         })
     }
 
     pub fn num_params(&self) -> usize {
-        self.numel.len()
+        self.in_shard.len()
+    }
+
+    /// Whether each param intersects this rank's shard.
+    pub fn in_shard(&self) -> &[bool] {
+        &self.in_shard
     }
 
     /// Bytes of every table this plan owns.
     pub fn plan_bytes(&self) -> usize {
-        self.num_params() * (6 * 8 + 1)
+        self.tables.len() * 8 + self.in_shard.len()
     }
 }
 
@@ -163,16 +192,16 @@ mod tests {
         // numels 3, 5, 4 with 4-element alignment: 0..3 | pad 1 | 4..9 | pad 3 | 12..16,
         // then padded to a multiple of W = 3: 18; shards of 6.
         let p = flat(&[&[3], &[5], &[2, 2]], 3, 1, 4);
-        assert_eq!(p.flat_offsets, vec![0, 4, 12]);
+        assert_eq!(p.flat_offsets(), vec![0, 4, 12]);
         assert_eq!(p.flat_numel, 18);
         assert_eq!(p.shard_numel, 6);
         assert_eq!(p.shard_numel_padded, 0);
         // rank 1 holds [6, 11]: param 1 elements 2..4 at offset 0; param 2 not at all.
-        assert_eq!(p.in_shard, vec![false, true, false]);
-        assert_eq!(p.offset_in_shard, vec![-1, 0, -1]);
-        assert_eq!(p.intra_param_start, vec![-1, 2, -1]);
-        assert_eq!(p.intra_param_end, vec![-1, 4, -1]);
-        assert_eq!(p.numel_in_shard, vec![-1, 3, -1]);
+        assert_eq!(p.in_shard(), vec![false, true, false]);
+        assert_eq!(p.offset_in_shard(), vec![-1, 0, -1]);
+        assert_eq!(p.intra_param_start(), vec![-1, 2, -1]);
+        assert_eq!(p.intra_param_end(), vec![-1, 4, -1]);
+        assert_eq!(p.numel_in_shard(), vec![-1, 3, -1]);
     }
 
     #[test]
@@ -180,20 +209,20 @@ mod tests {
         // 10 elements over 4 ranks: chunks of 3, rank 3 holds 1 element + 2 zeros.
         let p = flat(&[&[10]], 4, 3, 0);
         assert_eq!((p.shard_numel, p.shard_numel_padded), (3, 2));
-        assert_eq!(p.intra_param_start, vec![9]);
-        assert_eq!(p.intra_param_end, vec![9]);
+        assert_eq!(p.intra_param_start(), vec![9]);
+        assert_eq!(p.intra_param_end(), vec![9]);
         // 2 elements over 4 ranks: chunks of 1, rank 3 gets nothing.
         let p = flat(&[&[2]], 4, 3, 0);
         assert_eq!((p.shard_numel, p.shard_numel_padded), (1, 1));
-        assert_eq!(p.in_shard, vec![false]);
+        assert_eq!(p.in_shard(), vec![false]);
     }
 
     #[test]
     fn empty_param_inside_a_shard_has_end_minus_one() {
         let p = flat(&[&[2], &[0], &[2]], 1, 0, 0);
-        assert_eq!(p.in_shard, vec![true, true, true]);
-        assert_eq!(p.numel_in_shard, vec![2, 0, 2]);
-        assert_eq!(p.intra_param_end, vec![1, -1, 1]);
+        assert_eq!(p.in_shard(), vec![true, true, true]);
+        assert_eq!(p.numel_in_shard(), vec![2, 0, 2]);
+        assert_eq!(p.intra_param_end(), vec![1, -1, 1]);
     }
 
     #[test]

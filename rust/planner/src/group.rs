@@ -43,6 +43,7 @@ use crate::arith::{add, align_up, is_pow2, mul, Divisor};
 use crate::error::{PlanError, Result};
 use crate::parallel::{even_bounds, map_chunks, num_chunks};
 use crate::shapes::Shapes;
+use std::ops::Range;
 
 pub const DEFAULT_ALIGNMENT: i64 = 16;
 pub const DEFAULT_TILE_NUMEL: i64 = 1 << 16;
@@ -151,31 +152,121 @@ pub struct BufferBytes {
 }
 
 /// Every table for one FSDP2 parameter group. Sizes and offsets are in elements.
+///
+/// The int64 tables live back to back in one allocation, the tile table in
+/// two more ([Note: Huge pages for tables]); accessors return slices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupPlan {
     pub config: GroupConfig,
     pub align_numel: i64,
-    /// `P + 1` prefix sums of ndims, indexing every concatenated table.
-    pub dim_offsets: Vec<i64>,
-    pub numel: Vec<i64>,
-    pub chunk_rows: Vec<i64>,
-    pub sharded_rows: Vec<i64>,
-    pub sharded_numel: Vec<i64>,
-    pub padded_sharded_numel: Vec<i64>,
-    pub sharded_sizes: Vec<i64>,
-    pub padded_sharded_sizes: Vec<i64>,
-    pub contiguous_strides: Vec<i64>,
-    pub post_forward_sizes: Option<Vec<i64>>,
-    pub row_offsets: Vec<i64>,
-    pub split_sizes: Vec<i64>,
-    pub unsharded_offsets: Vec<i64>,
-    pub tile_param: Vec<i32>,
-    pub tile_start: Vec<i64>,
-    pub tile_len: Vec<i32>,
     /// `S`: elements of the sharded buffer and of each all-gather / reduce-scatter row.
     pub row_numel: i64,
     pub unsharded_numel: i64,
     pub bytes: BufferBytes,
+    tables: Vec<i64>,
+    spans: Spans,
+    tile_start: Vec<i64>,
+    /// `tile_param` then `tile_len`.
+    tile_i32: Vec<i32>,
+}
+
+/// Where each table sits in `GroupPlan::tables`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Spans {
+    numel: Range<usize>,
+    chunk_rows: Range<usize>,
+    sharded_rows: Range<usize>,
+    sharded_numel: Range<usize>,
+    padded_sharded_numel: Range<usize>,
+    split_sizes: Range<usize>,
+    row_offsets: Range<usize>,
+    unsharded_offsets: Range<usize>,
+    dim_offsets: Range<usize>,
+    sharded_sizes: Range<usize>,
+    padded_sharded_sizes: Range<usize>,
+    contiguous_strides: Range<usize>,
+    post_forward_sizes: Option<Range<usize>>,
+}
+
+macro_rules! table_accessors {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        impl GroupPlan {
+            $(
+                $(#[$doc])*
+                pub fn $name(&self) -> &[i64] {
+                    &self.tables[self.spans.$name.clone()]
+                }
+            )*
+        }
+    };
+}
+
+table_accessors!(
+    /// `P + 1` prefix sums of ndims, indexing every concatenated table.
+    dim_offsets,
+    numel,
+    /// `ceil(d0 / W)`: rows of every padded shard.
+    chunk_rows,
+    /// Rows this rank owns, unpadded.
+    sharded_rows,
+    sharded_numel,
+    /// `n = chunk_rows * prod(dims[1..])`.
+    padded_sharded_numel,
+    /// Concatenated `FSDPParam.sharded_size`.
+    sharded_sizes,
+    /// Concatenated `FSDPParam.padded_sharded_param_size`.
+    padded_sharded_sizes,
+    /// Concatenated contiguous strides ([Note: FSDP2 sharding rule]).
+    contiguous_strides,
+    /// Each param's start in a row ([Note: Row layout]).
+    row_offsets,
+    /// Each param's row segment, alignment gap included.
+    split_sizes,
+    /// Each param's start in the unsharded buffer.
+    unsharded_offsets,
+);
+
+impl GroupPlan {
+    /// Concatenated `sharded_post_forward_size`, with a post-forward world size.
+    pub fn post_forward_sizes(&self) -> Option<&[i64]> {
+        self.spans
+            .post_forward_sizes
+            .clone()
+            .map(|span| &self.tables[span])
+    }
+
+    /// Param index of each tile ([Note: Tile table]).
+    pub fn tile_param(&self) -> &[i32] {
+        &self.tile_i32[..self.tile_start.len()]
+    }
+
+    /// Start of each tile inside its param's row segment.
+    pub fn tile_start(&self) -> &[i64] {
+        &self.tile_start
+    }
+
+    /// Length of each tile.
+    pub fn tile_len(&self) -> &[i32] {
+        &self.tile_i32[self.tile_start.len()..]
+    }
+}
+
+/// Cut `storage` into consecutive tables of the given lengths.
+fn carve<const N: usize>(
+    mut storage: &mut [i64],
+    lens: [usize; N],
+) -> ([&mut [i64]; N], [Range<usize>; N]) {
+    let mut at = 0;
+    let spans = lens.map(|len| {
+        at += len;
+        at - len..at
+    });
+    let tables = lens.map(|len| {
+        let (head, tail) = std::mem::take(&mut storage).split_at_mut(len);
+        storage = tail;
+        head
+    });
+    (tables, spans)
 }
 
 /// Rows of the chunk `rank` gets when `d0` rows are chunked `world_size` ways.
@@ -360,34 +451,48 @@ impl GroupPlan {
         let align = config.align_numel();
         let has_pf = config.post_forward_world_size.is_some();
 
-        let mut numel = zeroed(num_params);
-        let mut chunk_rows = zeroed(num_params);
-        let mut sharded_rows = zeroed(num_params);
-        let mut sharded_numel = zeroed(num_params);
-        let mut padded_sharded_numel = zeroed(num_params);
-        let mut split_sizes = zeroed(num_params);
-        let mut row_offsets = zeroed(num_params);
-        let mut unsharded_offsets = zeroed(num_params);
-        let mut dim_offsets = zeroed(num_params + 1);
-        let mut sharded_sizes = zeroed(total_dims);
-        let mut padded_sharded_sizes = zeroed(total_dims);
-        let mut contiguous_strides = zeroed(total_dims);
-        let mut post_forward_sizes = has_pf.then(|| zeroed(total_dims));
+        let pf_len = if has_pf { total_dims } else { 0 };
+        let p = num_params;
+        let d = total_dims;
+        let mut tables = zeroed(8 * p + (p + 1) + 3 * d + pf_len);
+        let (
+            [numel, chunk_rows, sharded_rows, sharded_numel, padded_sharded_numel, split_sizes, row_offsets, unsharded_offsets, dim_offsets, sharded_sizes, padded_sharded_sizes, contiguous_strides, post_forward_sizes],
+            [s_numel, s_chunk_rows, s_sharded_rows, s_sharded_numel, s_padded_sharded_numel, s_split_sizes, s_row_offsets, s_unsharded_offsets, s_dim_offsets, s_sharded_sizes, s_padded_sharded_sizes, s_contiguous_strides, s_post_forward_sizes],
+        ) = carve(
+            &mut tables,
+            [p, p, p, p, p, p, p, p, p + 1, d, d, d, pf_len],
+        );
+        let spans = Spans {
+            numel: s_numel,
+            chunk_rows: s_chunk_rows,
+            sharded_rows: s_sharded_rows,
+            sharded_numel: s_sharded_numel,
+            padded_sharded_numel: s_padded_sharded_numel,
+            split_sizes: s_split_sizes,
+            row_offsets: s_row_offsets,
+            unsharded_offsets: s_unsharded_offsets,
+            dim_offsets: s_dim_offsets,
+            sharded_sizes: s_sharded_sizes,
+            padded_sharded_sizes: s_padded_sharded_sizes,
+            contiguous_strides: s_contiguous_strides,
+            post_forward_sizes: has_pf.then_some(s_post_forward_sizes),
+        };
+        let (dim_offsets, dim_total) = dim_offsets.split_at_mut(p);
 
         let mut rest = Tables {
-            numel: &mut numel,
-            chunk_rows: &mut chunk_rows,
-            sharded_rows: &mut sharded_rows,
-            sharded_numel: &mut sharded_numel,
-            padded_sharded_numel: &mut padded_sharded_numel,
-            split_sizes: &mut split_sizes,
-            row_offsets: &mut row_offsets,
-            unsharded_offsets: &mut unsharded_offsets,
-            dim_offsets: &mut dim_offsets[..num_params],
-            sharded_sizes: &mut sharded_sizes,
-            padded_sharded_sizes: &mut padded_sharded_sizes,
-            contiguous_strides: &mut contiguous_strides,
-            post_forward_sizes: post_forward_sizes.as_deref_mut(),
+            numel,
+            chunk_rows,
+            sharded_rows,
+            sharded_numel,
+            padded_sharded_numel,
+            split_sizes,
+            row_offsets,
+            unsharded_offsets,
+            dim_offsets,
+            sharded_sizes,
+            padded_sharded_sizes,
+            contiguous_strides,
+            post_forward_sizes: has_pf.then_some(post_forward_sizes),
         };
         let ranges = shapes.split(&even_bounds(num_params, ranges.max(1)));
         let mut work = Vec::with_capacity(ranges.len());
@@ -413,64 +518,36 @@ impl GroupPlan {
             tile_bases.push((first, base.tiles));
             base = base.checked_add(totals)?;
         }
-        dim_offsets[num_params] = base.dims;
+        dim_total[0] = base.dims;
 
-        let (tile_param, tile_start, tile_len) =
-            tile_table(&split_sizes, &tile_bases, base.tiles, config.tile_numel)?;
+        let split_sizes = &tables[spans.split_sizes.clone()];
+        let (tile_start, tile_i32) =
+            tile_table(split_sizes, &tile_bases, base.tiles, config.tile_numel)?;
         let bytes = buffer_bytes(&config, base.row, base.unsharded)?;
         Ok(Self {
             config,
             align_numel: align,
-            dim_offsets,
-            numel,
-            chunk_rows,
-            sharded_rows,
-            sharded_numel,
-            padded_sharded_numel,
-            sharded_sizes,
-            padded_sharded_sizes,
-            contiguous_strides,
-            post_forward_sizes,
-            row_offsets,
-            split_sizes,
-            unsharded_offsets,
-            tile_param,
-            tile_start,
-            tile_len,
             row_numel: base.row,
             unsharded_numel: base.unsharded,
             bytes,
+            tables,
+            spans,
+            tile_start,
+            tile_i32,
         })
     }
 
     pub fn num_params(&self) -> usize {
-        self.numel.len()
+        self.spans.numel.len()
     }
 
     pub fn num_tiles(&self) -> usize {
-        self.tile_param.len()
+        self.tile_start.len()
     }
 
     /// Bytes of every table this plan owns.
     pub fn plan_bytes(&self) -> usize {
-        let i64_tables = [
-            &self.dim_offsets,
-            &self.numel,
-            &self.chunk_rows,
-            &self.sharded_rows,
-            &self.sharded_numel,
-            &self.padded_sharded_numel,
-            &self.sharded_sizes,
-            &self.padded_sharded_sizes,
-            &self.contiguous_strides,
-            &self.row_offsets,
-            &self.split_sizes,
-            &self.unsharded_offsets,
-            &self.tile_start,
-        ];
-        let pf = self.post_forward_sizes.as_ref().map_or(0, Vec::len);
-        let i64_len: usize = i64_tables.iter().map(|t| t.len()).sum::<usize>() + pf;
-        i64_len * 8 + (self.tile_param.len() + self.tile_len.len()) * 4
+        (self.tables.len() + self.tile_start.len()) * 8 + self.tile_i32.len() * 4
     }
 }
 
@@ -481,7 +558,7 @@ fn tile_table(
     bases: &[(usize, i64)],
     num_tiles: i64,
     tile_numel: i64,
-) -> Result<(Vec<i32>, Vec<i64>, Vec<i32>)> {
+) -> Result<(Vec<i64>, Vec<i32>)> {
     if num_tiles > i64::from(i32::MAX) {
         return Err(PlanError::TooManyTiles {
             num_tiles,
@@ -489,16 +566,16 @@ fn tile_table(
         });
     }
     let count = num_tiles as usize;
-    let mut param = zeroed(count);
-    let mut start = zeroed(count);
-    let mut len = zeroed(count);
+    let mut start: Vec<i64> = zeroed(count);
+    let mut param_len: Vec<i32> = zeroed(2 * count);
+    let (param, len) = param_len.split_at_mut(count);
     let mut work = Vec::with_capacity(bases.len());
-    let (mut param_rest, mut start_rest, mut len_rest) =
-        (&mut param[..], &mut start[..], &mut len[..]);
+    let (mut param_rest, mut start_rest, mut len_rest) = (param, &mut start[..], len);
     for (k, &(first, tile_base)) in bases.iter().enumerate() {
         let (end, tile_end) = bases
             .get(k + 1)
-            .map_or((split_sizes.len(), num_tiles), |&(f, t)| (f, t));
+            .copied()
+            .unwrap_or((split_sizes.len(), num_tiles));
         let n = (tile_end - tile_base) as usize;
         let (p, pr) = std::mem::take(&mut param_rest).split_at_mut(n);
         let (s, sr) = std::mem::take(&mut start_rest).split_at_mut(n);
@@ -522,7 +599,7 @@ fn tile_table(
             }
         }
     });
-    Ok((param, start, len))
+    Ok((start, param_len))
 }
 
 fn buffer_bytes(config: &GroupConfig, row_numel: i64, unsharded_numel: i64) -> Result<BufferBytes> {
@@ -565,7 +642,7 @@ mod tests {
 
     fn rows_over_ranks(shape: &[i64], world: i64) -> Vec<i64> {
         (0..world)
-            .map(|r| plan(&[shape], GroupConfig::new(world, r)).sharded_rows[0])
+            .map(|r| plan(&[shape], GroupConfig::new(world, r)).sharded_rows()[0])
             .collect()
     }
 
@@ -586,14 +663,14 @@ mod tests {
             &[&[17, 257], &[257], &[0, 3], &[5, 0, 2]],
             GroupConfig::new(8, 7),
         );
-        assert_eq!(p.chunk_rows, vec![3, 33, 0, 1]);
+        assert_eq!(p.chunk_rows(), vec![3, 33, 0, 1]);
         // rank 7: 17 - 21 < 0 -> 0 rows; 257 - 231 = 26 rows; d0 = 0; inner = 0 -> 0.
-        assert_eq!(p.sharded_rows, vec![0, 26, 0, 0]);
-        assert_eq!(p.sharded_sizes, vec![0, 257, 26, 0, 3, 0, 0, 2]);
-        assert_eq!(p.padded_sharded_sizes, vec![3, 257, 33, 0, 3, 1, 0, 2]);
-        assert_eq!(p.contiguous_strides, vec![257, 1, 1, 3, 1, 2, 2, 1]);
-        assert_eq!(p.padded_sharded_numel, vec![771, 33, 0, 0]);
-        assert_eq!(p.dim_offsets, vec![0, 2, 3, 5, 8]);
+        assert_eq!(p.sharded_rows(), vec![0, 26, 0, 0]);
+        assert_eq!(p.sharded_sizes(), vec![0, 257, 26, 0, 3, 0, 0, 2]);
+        assert_eq!(p.padded_sharded_sizes(), vec![3, 257, 33, 0, 3, 1, 0, 2]);
+        assert_eq!(p.contiguous_strides(), vec![257, 1, 1, 3, 1, 2, 2, 1]);
+        assert_eq!(p.padded_sharded_numel(), vec![771, 33, 0, 0]);
+        assert_eq!(p.dim_offsets(), vec![0, 2, 3, 5, 8]);
     }
 
     #[test]
@@ -603,11 +680,11 @@ mod tests {
         let p = plan(&[&[3], &[5, 2], &[1]], config);
         assert_eq!(p.align_numel, 8);
         // n = 2, 6, 1 -> offsets 0, 8, 16; S = 24.
-        assert_eq!(p.row_offsets, vec![0, 8, 16]);
-        assert_eq!(p.split_sizes, vec![8, 8, 8]);
+        assert_eq!(p.row_offsets(), vec![0, 8, 16]);
+        assert_eq!(p.split_sizes(), vec![8, 8, 8]);
         assert_eq!(p.row_numel, 24);
         // W * n = 4, 12, 2 -> 0, 8, 24; U = 32.
-        assert_eq!(p.unsharded_offsets, vec![0, 8, 24]);
+        assert_eq!(p.unsharded_offsets(), vec![0, 8, 24]);
         assert_eq!(p.unsharded_numel, 32);
         assert_eq!(p.bytes.sharded, 24 * 4);
         assert_eq!(p.bytes.all_gather, 2 * 24 * 2);
@@ -622,14 +699,14 @@ mod tests {
         let p = plan(&[&[40, 3], &[0], &[2], &[1, 1]], config);
         let mut expected_start = 0;
         for t in 0..p.num_tiles() {
-            let param = p.tile_param[t] as usize;
-            let absolute = p.row_offsets[param] + p.tile_start[t];
+            let param = p.tile_param()[t] as usize;
+            let absolute = p.row_offsets()[param] + p.tile_start()[t];
             assert_eq!(absolute, expected_start);
-            assert!(p.tile_len[t] >= 1 && p.tile_len[t] <= 7);
-            expected_start += i64::from(p.tile_len[t]);
+            assert!(p.tile_len()[t] >= 1 && p.tile_len()[t] <= 7);
+            expected_start += i64::from(p.tile_len()[t]);
         }
         assert_eq!(expected_start, p.row_numel);
-        assert!(!p.tile_param.contains(&1), "an empty param gets no tile");
+        assert!(!p.tile_param().contains(&1), "an empty param gets no tile");
     }
 
     #[test]
@@ -638,8 +715,8 @@ mod tests {
         config.post_forward_world_size = Some(4);
         let p = plan(&[&[10, 2]], config);
         // post-forward rank 5 % 4 = 1, chunks of ceil(10 / 4) = 3 rows.
-        assert_eq!(p.post_forward_sizes, Some(vec![3, 2]));
-        assert_eq!(p.sharded_sizes, vec![0, 2]); // ceil(10/8) = 2, rank 5 starts at 10.
+        assert_eq!(p.post_forward_sizes(), Some(&[3, 2][..]));
+        assert_eq!(p.sharded_sizes(), vec![0, 2]); // ceil(10/8) = 2, rank 5 starts at 10.
     }
 
     #[test]
@@ -649,8 +726,8 @@ mod tests {
         let mut config = GroupConfig::new(1024, 1023);
         config.tile_numel = 1 << 30;
         let p = plan(&[&[d0], &[3]], config);
-        assert_eq!(p.chunk_rows, vec![1 << 40, 1]);
-        assert_eq!(p.sharded_rows, vec![1 << 40, 0]);
+        assert_eq!(p.chunk_rows(), vec![1 << 40, 1]);
+        assert_eq!(p.sharded_rows(), vec![1 << 40, 0]);
         assert_eq!(p.unsharded_numel, d0 + 1024);
         assert_eq!(p.num_tiles(), 1025);
         assert_eq!(p.bytes.all_gather, 1024 * ((1 << 40) + 4) * 4);

@@ -12,8 +12,8 @@ pub struct GroupPlan {
     pub plan: planner::GroupPlan,
 }
 
-/// One `#[pymethods]` block per class: zero-copy getters for the listed tables,
-/// then the class's other methods.
+/// One `#[pymethods]` block per class: zero-copy getters for the listed tables
+/// (each a planner accessor returning a slice), then the class's other methods.
 macro_rules! plan_methods {
     ($class:ty, tables { $($name:ident: $elem:ty),* $(,)? } $($methods:tt)*) => {
         #[pymethods]
@@ -21,7 +21,7 @@ macro_rules! plan_methods {
             $(
                 #[getter]
                 fn $name<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyArray1<$elem>> {
-                    readonly_view(&slf.get().plan.$name, slf.as_any())
+                    readonly_view(slf.get().plan.$name(), slf.as_any())
                 }
             )*
             $($methods)*
@@ -50,7 +50,7 @@ plan_methods!(
     }
     #[getter]
     fn post_forward_sizes<'py>(slf: &Bound<'py, Self>) -> Option<Bound<'py, PyArray1<i64>>> {
-        let sizes = slf.get().plan.post_forward_sizes.as_ref()?;
+        let sizes = slf.get().plan.post_forward_sizes()?;
         Some(readonly_view(sizes, slf.as_any()))
     }
     #[getter]
