@@ -46,7 +46,7 @@ ref = _load_reference()
 core = _load_core()
 requires_rust = pytest.mark.skipif(core is None, reason="fsdp_rs._core not built")
 INT64_MAX = 2**63 - 1
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module", params=["reference", "rust"])
@@ -186,6 +186,82 @@ def test_rust_huge_but_valid_dims_match_reference(shape):
         )
 
 
+_huge_dim = st.one_of(
+    st.integers(0, 5),
+    st.sampled_from(
+        [2**k + d for k in (20, 31, 32, 40, 61, 62) for d in (-1, 0, 1)] + [2**63 - 2, 2**63 - 1]
+    ),
+)
+_huge_pow2 = st.sampled_from([1, 2, 16, 256, 2**20, 2**40, 2**62])
+
+
+def _estimated_tiles(shapes, world, align, tile_numel):
+    tiles = 0
+    for d0, *rest in shapes:
+        n = -(-d0 // world) * math.prod(rest)
+        tiles += -(-(-(-n // align) * align) // tile_numel)
+    return tiles
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except ValueError:
+        return ValueError
+
+
+@requires_rust
+@SETTINGS
+@given(
+    shapes=st.lists(st.lists(_huge_dim, min_size=1, max_size=3).map(tuple), max_size=4),
+    world=st.sampled_from([1, 2, 3, 8, 1024, 2**31, 2**62, 2**63 - 1]),
+    rank_from_end=st.sampled_from([0, 1]),
+    elem=st.sampled_from([1, 2, 4, 8]),
+    alignment=_huge_pow2,
+    tile_numel=st.sampled_from([1, 7, 65536, 2**31 - 1]),
+    aligned_numel=st.one_of(_huge_pow2, st.just(0)),
+)
+def test_rust_matches_reference_on_huge_inputs(
+    shapes, world, rank_from_end, elem, alignment, tile_numel, aligned_numel
+):
+    """Near the int64 limit both raise ValueError or both return the same plan."""
+    rank = max(0, world - 1 - rank_from_end)
+    ndims, dims = arrays(shapes)
+    align = max(1, alignment // elem)
+    tiles = _estimated_tiles(shapes, world, align, tile_numel)
+    options = dict(orig_elem_size=elem, alignment=alignment, tile_numel=tile_numel)
+    if tiles <= 100_000 or tiles > 2**31 - 1:  # otherwise a valid plan has a huge tile table
+        want = _outcome(ref.plan_group, ndims, dims, world, rank, **options)
+        got = _outcome(core.plan_group, ndims, dims, world, rank, **options)
+        if want is ValueError or got is ValueError:
+            assert got is want, (got, want)
+        else:
+            ref.assert_plans_equal(got, want)
+    want = _outcome(ref.plan_flat, ndims, dims, world, rank, aligned_numel=aligned_numel)
+    got = _outcome(core.plan_flat, ndims, dims, world, rank, aligned_numel=aligned_numel)
+    if want is ValueError or got is ValueError:
+        assert got is want, (got, want)
+    else:
+        ref.assert_plans_equal(got, want)
+
+
+@requires_rust
+@SETTINGS
+@given(
+    groups=st.lists(st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 5), max_size=4),
+    prefetch=st.sampled_from([0, 1, 2**63 - 1]),
+    reshard=st.booleans(),
+)
+def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, reshard):
+    columns = [np.array(c, dtype=np.int64) for c in zip(*groups, strict=True)] or [
+        np.zeros(0, dtype=np.int64)
+    ] * 5
+    kwargs = dict(prefetch=prefetch, reshard_after_forward=reshard)
+    want = _outcome(ref.peak_memory, *columns, **kwargs)
+    got = _outcome(core.peak_memory, *columns, **kwargs)
+    assert (got if got is ValueError else dict(got)) == want
+
+
 @requires_rust
 def test_rust_non_contiguous_input_is_read_correctly_or_rejected():
     ndims, dims = arrays([(17, 257), (5,), (3, 0, 2)])
@@ -272,7 +348,7 @@ def test_group_layout_invariants(planner, case):
     _check_metadata(plan, shapes)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(group=group_st(max_params=30, max_world=128, bulk=False))
 def test_rows_over_all_ranks_cover_dim0(planner, group):
     shapes, world = group
@@ -297,7 +373,7 @@ def test_rows_over_all_ranks_cover_dim0(planner, group):
         assert owners.tolist() == list(range(len(owners)))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     group=group_st(max_params=30, max_world=128, bulk=False),
     aligned_numel=st.sampled_from([0, 1, 2, 4, 8, 16]),
@@ -586,3 +662,19 @@ def test_peak_memory_rejects_bad_input(planner):
     huge = [np.array([2**62, 2**62], dtype=np.int64)] * 5
     with pytest.raises(ValueError):
         planner.peak_memory(*huge)
+
+
+@pytest.mark.parametrize(
+    ("column", "prefetch", "reshard"),
+    [(2, 1, True), (1, 0, True), (1, 0, False)],
+    ids=["unsharded-reshard", "all_gather-prefetch0", "all_gather-no-reshard"],
+)
+def test_peak_memory_no_spurious_overflow(planner, column, prefetch, reshard):
+    """Sums the formula never takes (e.g. all groups' unsharded bytes when resharding
+    after forward) must not overflow: only the spec's quantities are checked."""
+    columns = [np.zeros(2, dtype=np.int64) for _ in range(5)]
+    columns[column] = np.array([2**62, 2**62], dtype=np.int64)
+    got = planner.peak_memory(*columns, prefetch=prefetch, reshard_after_forward=reshard)
+    want = _peak_literal(*[c.tolist() for c in columns], prefetch, reshard)
+    assert want["peak"] == 2**62
+    assert dict(got) == want

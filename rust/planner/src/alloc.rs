@@ -7,6 +7,8 @@
 //! advised as huge-page candidates before the first write, so a 2 MiB region
 //! faults once. Where transparent huge pages are off the advice is ignored.
 
+use crate::parallel::{even_bounds, map_chunks, num_chunks};
+
 /// A zeroed `Vec` of `len` elements, advised for huge pages when large.
 pub fn zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
     let table = vec![T::default(); len];
@@ -14,10 +16,20 @@ pub fn zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
     table
 }
 
-/// A copy of `data` in a table allocated like [`zeroed`].
-pub fn copied<T: Clone + Default + Copy>(data: &[T]) -> Vec<T> {
+/// A copy of `data` in a table allocated like [`zeroed`]; large copies are
+/// split over threads ([Note: Parallel planning]).
+pub fn copied<T: Clone + Default + Copy + Send + Sync>(data: &[T]) -> Vec<T> {
     let mut table = zeroed(data.len());
-    table.copy_from_slice(data);
+    let parts = num_chunks(data.len());
+    let bounds = even_bounds(data.len(), parts);
+    let mut work = Vec::with_capacity(parts);
+    let mut rest = &mut table[..];
+    for pair in bounds.windows(2) {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(pair[1] - pair[0]);
+        work.push((head, &data[pair[0]..pair[1]]));
+        rest = tail;
+    }
+    map_chunks(work, |(to, from)| to.copy_from_slice(from));
     table
 }
 

@@ -17,7 +17,7 @@
 use crate::alloc::zeroed;
 use crate::arith::{add, ceil_div};
 use crate::error::{PlanError, Result};
-use crate::shapes::Shapes;
+use crate::shapes::{checked_numel, Shapes};
 
 /// `-1` stands for torch's `None` in the per-param shard tables.
 pub const NOT_IN_SHARD: i64 = -1;
@@ -102,8 +102,7 @@ impl FlatPlan {
                     total = add(total, pad, at, "flat parameter offset")?;
                 }
             }
-            // Shapes::new checked that the product fits.
-            let n = shape.iter().product::<i64>();
+            let n = checked_numel(index, shape)?;
             flat_offsets[index] = total;
             numel[index] = n;
             total = add(total, n, at, "flat parameter numel")?;

@@ -42,7 +42,7 @@ use crate::alloc::zeroed;
 use crate::arith::{add, align_up, is_pow2, mul, Divisor};
 use crate::error::{PlanError, Result};
 use crate::parallel::{even_bounds, map_chunks, num_chunks};
-use crate::shapes::Shapes;
+use crate::shapes::{checked_numel, Shapes};
 use std::ops::Range;
 
 pub const DEFAULT_ALIGNMENT: i64 = 16;
@@ -380,14 +380,15 @@ fn fill_range(
     let mut totals = Totals::default();
     let mut dim_start = 0usize;
     for (i, shape) in shapes.iter().enumerate() {
+        let numel = checked_numel(first_index + i, shape)?;
         let at = Some(first_index + i);
         let ndim = shape.len();
         let dims = dim_start..dim_start + ndim;
         let sharded_sizes = &mut t.sharded_sizes[dims.clone()];
         let padded_sizes = &mut t.padded_sharded_sizes[dims.clone()];
         let strides = &mut t.contiguous_strides[dims.clone()];
-        // One pass from the last dim: sizes after dim 0 are copied as they
-        // are, strides multiply max(size, 1), inner multiplies the sizes.
+        // From the last dim: sizes after dim 0 are copied as they are, strides
+        // multiply max(size, 1), inner multiplies the sizes.
         let mut stride: i64 = 1;
         let mut inner: i64 = 1;
         for axis in (1..ndim).rev() {
@@ -396,7 +397,7 @@ fn fill_range(
             padded_sizes[axis] = size;
             strides[axis] = stride;
             stride = mul(stride, size.max(1), at, "contiguous stride")?;
-            // Saturates only when d0 == 0 (Shapes::new checked the product).
+            // Saturates only when d0 == 0 (checked_numel checked the product).
             inner = inner.saturating_mul(size);
         }
         strides[0] = stride;
@@ -413,7 +414,7 @@ fn fill_range(
         }
         // chunk <= d0 and rows <= d0, so these products are at most numel.
         let padded = if d0 == 0 { 0 } else { chunk * inner };
-        t.numel[i] = d0 * inner;
+        t.numel[i] = numel;
         t.chunk_rows[i] = chunk;
         t.sharded_rows[i] = rows;
         t.sharded_numel[i] = rows * inner;

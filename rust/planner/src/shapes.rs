@@ -2,8 +2,9 @@
 
 use crate::error::{PlanError, Result};
 
-/// Shapes of a parameter group, validated: every ndim >= 1, every size >= 0 and
-/// every numel representable as an `i64`.
+/// Shapes of a parameter group with every ndim >= 1 and `sum(ndims)` sizes.
+/// Sizes are checked per parameter by [`checked_numel`], inside the planners'
+/// (parallel) passes, so the input is read once.
 #[derive(Debug, Clone, Copy)]
 pub struct Shapes<'a> {
     ndims: &'a [i64],
@@ -11,7 +12,7 @@ pub struct Shapes<'a> {
 }
 
 impl<'a> Shapes<'a> {
-    /// Validate `ndims` and `dims` (the shapes concatenated in parameter order).
+    /// Check `ndims` against `dims` (the shapes concatenated in parameter order).
     pub fn new(ndims: &'a [i64], dims: &'a [i64]) -> Result<Self> {
         if ndims.len() > i32::MAX as usize {
             return Err(PlanError::TooManyParams {
@@ -34,23 +35,7 @@ impl<'a> Shapes<'a> {
                 got: dims.len(),
             });
         }
-        let shapes = Self { ndims, dims };
-        let mut start = 0usize;
-        for (index, &ndim) in ndims.iter().enumerate() {
-            let shape = &dims[start..start + ndim as usize];
-            let mut numel: i64 = 1;
-            for (axis, &size) in shape.iter().enumerate() {
-                if size < 0 {
-                    return Err(PlanError::NegativeDim { index, axis, size });
-                }
-                numel = numel.checked_mul(size).ok_or(PlanError::Overflow {
-                    index: Some(index),
-                    what: "numel",
-                })?;
-            }
-            start += ndim as usize;
-        }
-        Ok(shapes)
+        Ok(Self { ndims, dims })
     }
 
     /// Cut the group into contiguous ranges starting at the given parameter
@@ -93,6 +78,23 @@ impl<'a> Shapes<'a> {
     }
 }
 
+/// Parameter `index`'s numel, after checking every size is >= 0 and the
+/// running product (in dim order, as torch computes it) fits an `i64`.
+#[inline]
+pub fn checked_numel(index: usize, shape: &[i64]) -> Result<i64> {
+    let mut numel: i64 = 1;
+    for (axis, &size) in shape.iter().enumerate() {
+        if size < 0 {
+            return Err(PlanError::NegativeDim { index, axis, size });
+        }
+        numel = numel.checked_mul(size).ok_or(PlanError::Overflow {
+            index: Some(index),
+            what: "numel",
+        })?;
+    }
+    Ok(numel)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,7 +117,7 @@ mod tests {
             }
         );
         assert_eq!(
-            Shapes::new(&[1, 2], &[3, 4, -5]).unwrap_err(),
+            checked_numel(1, &[4, -5]).unwrap_err(),
             PlanError::NegativeDim {
                 index: 1,
                 axis: 1,
@@ -123,18 +125,19 @@ mod tests {
             }
         );
         assert_eq!(
-            Shapes::new(&[2], &[1 << 40, 1 << 40]).unwrap_err(),
+            checked_numel(0, &[1 << 40, 1 << 40, 0]).unwrap_err(),
             PlanError::Overflow {
                 index: Some(0),
                 what: "numel"
             }
         );
+        assert_eq!(checked_numel(0, &[0, 1 << 40, 1 << 40]), Ok(0));
     }
 
     #[test]
-    fn zero_first_dim_admits_any_later_sizes() {
-        // numel is 0, so torch accepts the shape; the planner must too.
-        let shapes = Shapes::new(&[3], &[0, i64::MAX, i64::MAX]).unwrap();
-        assert_eq!(shapes.iter().next().unwrap(), &[0, i64::MAX, i64::MAX]);
+    fn iterates_shapes_in_order() {
+        let shapes = Shapes::new(&[3, 1], &[0, 5, 7, 2]).unwrap();
+        let all: Vec<&[i64]> = shapes.iter().collect();
+        assert_eq!(all, vec![&[0, 5, 7][..], &[2][..]]);
     }
 }
