@@ -43,23 +43,22 @@ fn overflow() -> PlanError {
     }
 }
 
-fn sum(values: &[i64]) -> Result<i64> {
-    values
-        .iter()
-        .try_fold(0i64, |a, &v| a.checked_add(v))
-        .ok_or_else(overflow)
-}
-
-/// `prefix[i] = sum(values[..i])`, `P + 1` entries.
-fn prefix_sums(values: &[i64]) -> Result<Vec<i64>> {
+/// `prefix[i] = sum(values[..i])`, `P + 1` entries. Sums run in i128 so that
+/// only the quantities the model reports must fit an i64, not every partial
+/// sum (2**63 bytes per group times 2**63 groups still fits an i128).
+fn prefix_sums(values: &[i64]) -> Vec<i128> {
     let mut prefix = Vec::with_capacity(values.len() + 1);
-    let mut acc = 0i64;
+    let mut acc = 0i128;
     prefix.push(acc);
     for &v in values {
-        acc = acc.checked_add(v).ok_or_else(overflow)?;
+        acc += i128::from(v);
         prefix.push(acc);
     }
-    Ok(prefix)
+    prefix
+}
+
+fn to_i64(value: i128) -> Result<i64> {
+    i64::try_from(value).map_err(|_| overflow())
 }
 
 pub fn peak_memory(
@@ -90,9 +89,10 @@ pub fn peak_memory(
             return Err(PlanError::NegativeBytes { name, index, value });
         }
     }
-    let ag = prefix_sums(groups.all_gather)?;
-    let unsharded = prefix_sums(groups.unsharded)?;
-    let sharded = prefix_sums(groups.sharded)?;
+    let ag = prefix_sums(groups.all_gather);
+    let unsharded = prefix_sums(groups.unsharded);
+    let sharded = prefix_sums(groups.sharded);
+    let at = |values: &[i64], i: usize| i128::from(values[i]);
     let depth = usize::try_from(prefetch).unwrap_or(usize::MAX);
     let still_unsharded = |i: usize| {
         if reshard_after_forward {
@@ -102,42 +102,35 @@ pub fn peak_memory(
         }
     };
 
-    let mut forward = 0i64;
-    let mut backward = 0i64;
+    let mut forward = 0i128;
+    let mut backward = 0i128;
     for i in 0..count {
         let ahead_end = i.saturating_add(depth).min(count - 1) + 1;
-        let live = sum(&[
-            groups.all_gather[i],
-            groups.unsharded[i],
-            ag[ahead_end] - ag[i + 1],
-            still_unsharded(i),
-        ])?;
+        let live = at(groups.all_gather, i)
+            + at(groups.unsharded, i)
+            + (ag[ahead_end] - ag[i + 1])
+            + still_unsharded(i);
         forward = forward.max(live);
 
         let gathering = if reshard_after_forward {
-            sum(&[groups.all_gather[i], ag[i] - ag[i.saturating_sub(depth)]])?
+            at(groups.all_gather, i) + (ag[i] - ag[i.saturating_sub(depth)])
         } else {
             0
         };
-        let live = sum(&[
-            gathering,
-            groups.unsharded[i],
-            groups.reduce_scatter_input[i],
-            groups.reduce_scatter_output[i],
-            sharded[count] - sharded[i + 1],
-            still_unsharded(i),
-        ])?;
+        let live = gathering
+            + at(groups.unsharded, i)
+            + at(groups.reduce_scatter_input, i)
+            + at(groups.reduce_scatter_output, i)
+            + (sharded[count] - sharded[i + 1])
+            + still_unsharded(i);
         backward = backward.max(live);
     }
     let persistent = sharded[count];
-    let peak = persistent
-        .checked_add(forward.max(backward))
-        .ok_or_else(overflow)?;
     Ok(PeakMemory {
-        persistent,
-        forward,
-        backward,
-        peak,
+        persistent: to_i64(persistent)?,
+        forward: to_i64(forward)?,
+        backward: to_i64(backward)?,
+        peak: to_i64(persistent + forward.max(backward))?,
     })
 }
 
