@@ -8,54 +8,25 @@ Tests that need ``fsdp_rs._core`` are skipped until it is built.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
-import pathlib
 import re
-import sys
 from dataclasses import fields
-from types import ModuleType
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fsdp_rs._core as core
+from fsdp_rs.planning import reference as ref
 
-def _load_reference() -> ModuleType:
-    try:
-        from fsdp_rs.planning import reference
-    except ImportError:  # extension not built yet: load the pure-Python file directly
-        path = pathlib.Path(__file__).parents[1] / "python/fsdp_rs/planning/reference.py"
-        spec = importlib.util.spec_from_file_location("fsdp_rs_planning_reference", path)
-        reference = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = reference
-        spec.loader.exec_module(reference)
-    return reference
-
-
-def _load_core() -> ModuleType | None:
-    try:
-        import fsdp_rs._core as core
-    except ImportError:
-        return None
-    return core
-
-
-ref = _load_reference()
-core = _load_core()
-requires_rust = pytest.mark.skipif(core is None, reason="fsdp_rs._core not built")
 INT64_MAX = 2**63 - 1
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module", params=["reference", "rust"])
 def planner(request):
-    if request.param == "rust":
-        if core is None:
-            pytest.skip("fsdp_rs._core not built")
-        return core
-    return ref
+    return core if request.param == "rust" else ref
 
 
 def tolist(table):
@@ -128,7 +99,6 @@ def group_case_st(draw, **kwargs):
 # ----------------------------------------------------------------------------- Rust == reference
 
 
-@requires_rust
 @SETTINGS
 @given(case=group_case_st())
 def test_rust_group_plan_matches_reference(case):
@@ -140,7 +110,6 @@ def test_rust_group_plan_matches_reference(case):
     )
 
 
-@requires_rust
 @SETTINGS
 @given(
     case=group_case_st(),
@@ -155,7 +124,6 @@ def test_rust_flat_plan_matches_reference(case, aligned_numel):
     )
 
 
-@requires_rust
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_rust_empty_group_matches_reference(world):
     ndims, dims = arrays([])
@@ -169,7 +137,6 @@ def test_rust_empty_group_matches_reference(world):
     )
 
 
-@requires_rust
 @pytest.mark.parametrize(
     "shape",
     [(2**62, 0, 2**40), (0, 2**62), (3, 0, 2**40), (2**63 - 1, 0), (0, 2**31, 2**31 - 1)],
@@ -210,7 +177,6 @@ def _outcome(fn, *args, **kwargs):
         return ValueError
 
 
-@requires_rust
 @SETTINGS
 @given(
     shapes=st.lists(st.lists(_huge_dim, min_size=1, max_size=3).map(tuple), max_size=4),
@@ -245,7 +211,6 @@ def test_rust_matches_reference_on_huge_inputs(
         ref.assert_plans_equal(got, want)
 
 
-@requires_rust
 @SETTINGS
 @given(
     groups=st.lists(st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 5), max_size=4),
@@ -262,7 +227,6 @@ def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, reshard):
     assert (got if got is ValueError else dict(got)) == want
 
 
-@requires_rust
 def test_rust_non_contiguous_input_is_read_correctly_or_rejected():
     ndims, dims = arrays([(17, 257), (5,), (3, 0, 2)])
     strided_ndims = np.repeat(ndims, 2)[::2]
@@ -528,7 +492,6 @@ def test_flat_huge_dims_raise_value_error(planner, shapes, world):
         planner.plan_flat(*arrays(shapes), world, world - 1, aligned_numel=0)
 
 
-@requires_rust
 @pytest.mark.parametrize(
     "convert",
     [
@@ -569,7 +532,6 @@ MEMORY_FIELDS = [
 ]
 
 
-@requires_rust
 def test_rust_tables_are_read_only_zero_copy_views():
     ndims, dims = arrays([(17, 257), (5,), (3, 0, 2)])
     group = core.plan_group(ndims, dims, 8, 3, post_forward_world_size=4, tile_numel=100)

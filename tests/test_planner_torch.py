@@ -8,11 +8,7 @@ pure-Python reference and (when built) the Rust planner must reproduce them.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
-import sys
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -24,28 +20,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
-def _load_reference() -> ModuleType:
-    try:
-        from fsdp_rs.planning import reference
-    except ImportError:  # extension not built yet: load the pure-Python file directly
-        path = pathlib.Path(__file__).parents[1] / "python/fsdp_rs/planning/reference.py"
-        spec = importlib.util.spec_from_file_location("fsdp_rs_planning_reference", path)
-        reference = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = reference
-        spec.loader.exec_module(reference)
-    return reference
-
-
-reference = _load_reference()
+import fsdp_rs._core as core
+from fsdp_rs.planning import reference
 
 
 @pytest.fixture(params=["reference", "rust"])
 def planner(request):
-    """Either implementation; the Rust one is skipped until ``fsdp_rs._core`` is built."""
-    if request.param == "rust":
-        return pytest.importorskip("fsdp_rs._core", reason="fsdp_rs._core not built")
-    return reference
+    """Either implementation."""
+    return core if request.param == "rust" else reference
 
 
 def _arrays(shapes):
