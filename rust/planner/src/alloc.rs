@@ -7,7 +7,7 @@
 //! advised as huge-page candidates before the first write, so a 2 MiB region
 //! faults once. Where transparent huge pages are off the advice is ignored.
 
-use crate::parallel::{even_bounds, map_chunks, num_chunks};
+use crate::parallel::{even_bounds, map_chunks, num_chunks, split_lengths};
 
 /// A zeroed `Vec` of `len` elements, advised for huge pages when large.
 pub fn zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
@@ -20,15 +20,13 @@ pub fn zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
 /// split over threads ([Note: Parallel planning]).
 pub fn copied<T: Clone + Default + Copy + Send + Sync>(data: &[T]) -> Vec<T> {
     let mut table = zeroed(data.len());
-    let parts = num_chunks(data.len());
-    let bounds = even_bounds(data.len(), parts);
-    let mut work = Vec::with_capacity(parts);
-    let mut rest = &mut table[..];
-    for pair in bounds.windows(2) {
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(pair[1] - pair[0]);
-        work.push((head, &data[pair[0]..pair[1]]));
-        rest = tail;
-    }
+    let bounds = even_bounds(data.len(), num_chunks(data.len()));
+    let lengths = bounds.windows(2).map(|pair| pair[1] - pair[0]);
+    let sources = bounds.windows(2).map(|pair| &data[pair[0]..pair[1]]);
+    let work: Vec<_> = split_lengths(&mut table, lengths)
+        .into_iter()
+        .zip(sources)
+        .collect();
     map_chunks(work, |(to, from)| to.copy_from_slice(from));
     table
 }

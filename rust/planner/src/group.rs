@@ -41,7 +41,7 @@
 use crate::alloc::zeroed;
 use crate::arith::{add, align_up, is_pow2, mul, Divisor};
 use crate::error::{PlanError, Result};
-use crate::parallel::{even_bounds, map_chunks, num_chunks};
+use crate::parallel::{even_bounds, map_chunks, num_chunks, split_lengths};
 use crate::shapes::{checked_numel, Shapes};
 use std::ops::Range;
 
@@ -251,9 +251,10 @@ impl GroupPlan {
     }
 }
 
-/// Cut `storage` into consecutive tables of the given lengths.
+/// Cut `storage` into consecutive tables of the given lengths, with each
+/// table's span in `storage`.
 fn carve<const N: usize>(
-    mut storage: &mut [i64],
+    storage: &mut [i64],
     lens: [usize; N],
 ) -> ([&mut [i64]; N], [Range<usize>; N]) {
     let mut at = 0;
@@ -261,11 +262,9 @@ fn carve<const N: usize>(
         at += len;
         at - len..at
     });
-    let tables = lens.map(|len| {
-        let (head, tail) = std::mem::take(&mut storage).split_at_mut(len);
-        storage = tail;
-        head
-    });
+    let tables = split_lengths(storage, lens)
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one table per length"));
     (tables, spans)
 }
 
@@ -497,7 +496,7 @@ impl GroupPlan {
         };
         let ranges = shapes.split(&even_bounds(num_params, ranges.max(1)));
         let mut work = Vec::with_capacity(ranges.len());
-        for (first, _, range) in ranges {
+        for (first, range) in ranges {
             let (head, tail) = rest.split_at(range.len(), range.total_dims());
             work.push((first, range, head));
             rest = tail;
@@ -570,20 +569,21 @@ fn tile_table(
     let mut start: Vec<i64> = zeroed(count);
     let mut param_len: Vec<i32> = zeroed(2 * count);
     let (param, len) = param_len.split_at_mut(count);
-    let mut work = Vec::with_capacity(bases.len());
-    let (mut param_rest, mut start_rest, mut len_rest) = (param, &mut start[..], len);
-    for (k, &(first, tile_base)) in bases.iter().enumerate() {
-        let (end, tile_end) = bases
-            .get(k + 1)
-            .copied()
-            .unwrap_or((split_sizes.len(), num_tiles));
-        let n = (tile_end - tile_base) as usize;
-        let (p, pr) = std::mem::take(&mut param_rest).split_at_mut(n);
-        let (s, sr) = std::mem::take(&mut start_rest).split_at_mut(n);
-        let (l, lr) = std::mem::take(&mut len_rest).split_at_mut(n);
-        (param_rest, start_rest, len_rest) = (pr, sr, lr);
-        work.push((first, &split_sizes[first..end], p, s, l));
-    }
+    // Range k owns tiles [bases[k].1, bases[k + 1].1) and params [bases[k].0, bases[k + 1].0).
+    let ends = bases
+        .iter()
+        .skip(1)
+        .copied()
+        .chain([(split_sizes.len(), num_tiles)]);
+    let spans: Vec<_> = bases.iter().copied().zip(ends).collect();
+    let tile_counts = || spans.iter().map(|&((_, a), (_, b))| (b - a) as usize);
+    let work: Vec<_> = spans
+        .iter()
+        .zip(split_lengths(param, tile_counts()))
+        .zip(split_lengths(&mut start, tile_counts()))
+        .zip(split_lengths(len, tile_counts()))
+        .map(|(((&((first, _), (end, _)), p), s), l)| (first, &split_sizes[first..end], p, s, l))
+        .collect();
     map_chunks(work, |(first, splits, param, start, len)| {
         let mut t = 0usize;
         for (i, &split) in splits.iter().enumerate() {

@@ -51,6 +51,22 @@ pub fn map_chunks<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) ->
     })
 }
 
+/// Cut `slice` into consecutive pieces of the given lengths (summing to at
+/// most its length), for handing disjoint parts of one table to threads.
+pub fn split_lengths<T>(
+    mut slice: &mut [T],
+    lengths: impl IntoIterator<Item = usize>,
+) -> Vec<&mut [T]> {
+    lengths
+        .into_iter()
+        .map(|len| {
+            let (head, tail) = std::mem::take(&mut slice).split_at_mut(len);
+            slice = tail;
+            head
+        })
+        .collect()
+}
+
 /// Cut `0..len` into `parts` contiguous ranges of nearly equal length.
 pub fn even_bounds(len: usize, parts: usize) -> Vec<usize> {
     (0..=parts).map(|k| len * k / parts).collect()
@@ -67,6 +83,16 @@ mod tests {
             vec![10, 20, 30, 40]
         );
         assert_eq!(map_chunks(Vec::<i32>::new(), |x| x), Vec::<i32>::new());
+    }
+
+    #[test]
+    fn split_lengths_hands_out_consecutive_pieces() {
+        let mut data = [1, 2, 3, 4, 5, 6];
+        let pieces = split_lengths(&mut data, [2, 0, 3]);
+        assert_eq!(
+            pieces,
+            vec![&mut [1, 2][..], &mut [][..], &mut [3, 4, 5][..]]
+        );
     }
 
     #[test]

@@ -40,15 +40,15 @@ impl<'a> Shapes<'a> {
 
     /// Cut the group into contiguous ranges starting at the given parameter
     /// indices (`bounds` ascending, first 0, last `len()`). Each item is
-    /// `(first param index, first dim index, shapes of the range)`.
-    pub fn split(&self, bounds: &[usize]) -> Vec<(usize, usize, Shapes<'a>)> {
+    /// `(first param index, shapes of the range)`.
+    pub fn split(&self, bounds: &[usize]) -> Vec<(usize, Shapes<'a>)> {
         let mut out = Vec::with_capacity(bounds.len().saturating_sub(1));
         let mut dim_start = 0usize;
         for pair in bounds.windows(2) {
             let ndims = &self.ndims[pair[0]..pair[1]];
             let dim_len = ndims.iter().sum::<i64>() as usize;
             let dims = &self.dims[dim_start..dim_start + dim_len];
-            out.push((pair[0], dim_start, Shapes { ndims, dims }));
+            out.push((pair[0], Shapes { ndims, dims }));
             dim_start += dim_len;
         }
         out
