@@ -1,0 +1,78 @@
+"""Argument checks shared by the kernel launchers, the torch references and the
+fake impls. Each raises TypeError (wrong dtype or type) or ValueError (wrong
+shape, device or layout) naming the argument and the fix; none reads tensor data,
+so the checks are cheap and never synchronize a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_float",
+    "check_same_device",
+    "check_table",
+    "check_tile_table",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    """``t`` is a contiguous ``ndim``-D tensor of a supported float dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {t.dtype}; supported are float32, bfloat16 and float16"
+        )
+    if t.dim() != ndim:
+        raise ValueError(
+            f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}; "
+            f"pass the group buffer itself{' viewed as [world_size, row_numel]' if ndim == 2 else ''}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+            "pass the group buffer, not a strided view of it"
+        )
+
+
+def check_same_device(op: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = tensors[0]
+    for name, t in tensors[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but {first_name} is on {first.device}; "
+                "move the plan tables to the buffers' device once per group "
+                "(fsdp_rs.ops.GroupTables.from_plan(plan, device))"
+            )
+
+
+def check_table(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
+    """``t`` is a contiguous 1-D ``dtype`` table of ``numel`` entries."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{op}: table {name} has dtype {t.dtype}, expected {dtype} as the planner makes it"
+        )
+    if t.dim() != 1 or t.numel() != numel or not t.is_contiguous():
+        raise ValueError(
+            f"{op}: table {name} must be a contiguous 1-D tensor of {numel} entries, got shape "
+            f"{tuple(t.shape)}; pass the tables of the plan these buffers were sized from"
+        )
+
+
+def check_tile_table(
+    op: str, tile_param: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor
+) -> int:
+    """The three tile-table columns agree; returns the number of tiles."""
+    num_tiles = tile_param.numel() if isinstance(tile_param, torch.Tensor) else -1
+    check_table(op, "tile_param", tile_param, torch.int32, num_tiles)
+    check_table(op, "tile_start", tile_start, torch.int64, num_tiles)
+    check_table(op, "tile_len", tile_len, torch.int32, num_tiles)
+    return num_tiles

@@ -1,0 +1,54 @@
+"""Optional Triton import shared by the kernel files.
+
+Every kernel file defines its ``@jit`` kernel at import time, next to its torch
+reference. Where Triton is missing (a CPU-only install on a platform without
+Triton wheels) the decorator keeps the file importable, so the references and
+the CPU ops still work, and launching a kernel raises a RuntimeError that says
+what to install.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without Triton
+    triton = None
+    tl = None
+
+__all__ = ["TL_DTYPES", "cdiv", "jit", "require_triton", "tl", "triton"]
+
+
+def require_triton() -> None:
+    if triton is None:
+        raise RuntimeError(
+            "fsdp_rs kernels need Triton, which is not installed: install the torch "
+            "wheel with CUDA support (it brings Triton) or `pip install triton`"
+        )
+
+
+def jit(fn: Any) -> Any:
+    """``triton.jit`` when Triton is importable, else a stub that raises on launch."""
+    if triton is not None:
+        return triton.jit(fn)
+
+    class _Missing:  # pragma: no cover - exercised only without Triton
+        def __getitem__(self, grid: Any) -> Any:
+            require_triton()
+
+    return _Missing()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+TL_DTYPES: dict[torch.dtype, Any] = (
+    {}
+    if tl is None
+    else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+)

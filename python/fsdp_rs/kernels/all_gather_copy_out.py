@@ -1,0 +1,210 @@
+"""All-gather copy-out: the all-gather buffer ``[W, S]`` -> unsharded parameters.
+
+Param ``p`` owns ``padded_numel[p]`` (``n``) elements at ``row_offsets[p]`` in
+every row; its unsharded tensor is the ``W`` chunks back to back (``W * n``
+elements, rank-major). The destination is either the group's unsharded buffer
+(``out`` has one tensor; param ``p`` starts at ``unsharded_offsets[p]``), the
+eager layout where freeing and allocating is one storage resize, or one tensor
+per param (``out`` has ``P`` tensors of ``W * n`` elements), the layout of
+freshly allocated per-param all-gather outputs under torch.compile.
+
+The kernel runs one program per (tile, rank) over the planner's tile table
+([Note: Tile table] in ``rust/planner/src/group.rs``); a tile never crosses a
+param, so one launch serves any number of params. Tiles over alignment gaps copy
+nothing. Per-param destinations are reached through a table of int64 addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
+from fsdp_rs.kernels._segments import segment_columns
+from fsdp_rs.kernels._triton import TL_DTYPES, jit, require_triton, tl
+
+__all__ = [
+    "check_all_gather_copy_out",
+    "torch_all_gather_copy_out",
+    "triton_all_gather_copy_out",
+]
+
+OP = "all_gather_copy_out"
+BLOCK = 2048
+
+
+def check_all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    out: Sequence[torch.Tensor],
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+) -> None:
+    """O(1) checks, plus one per output tensor when ``out`` holds one per param.
+
+    With one param the two layouts coincide (its unsharded offset is 0), so a
+    single ``out`` tensor always means the group buffer."""
+    check_float(OP, "all_gather_output", all_gather_output, 2)
+    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
+    for name, table in (
+        ("row_offsets", row_offsets),
+        ("unsharded_offsets", unsharded_offsets),
+        ("padded_numel", padded_numel),
+    ):
+        check_table(OP, name, table, torch.int64, num_params)
+    check_tile_table(OP, tile_param, tile_start, tile_len)
+    if len(out) not in (1, num_params):
+        raise ValueError(
+            f"{OP}: out must hold the group's unsharded buffer (1 tensor) or one tensor per "
+            f"param ({num_params}), got {len(out)}"
+        )
+    check_same_device(
+        OP,
+        [
+            ("all_gather_output", all_gather_output),
+            ("row_offsets", row_offsets),
+            ("tile_param", tile_param),
+        ],
+    )
+    for i, t in enumerate(out):
+        check_float(OP, f"out[{i}]", t, 1)
+        if t.dtype != all_gather_output.dtype or t.device != all_gather_output.device:
+            raise ValueError(
+                f"{OP}: out[{i}] is {t.dtype} on {t.device} but all_gather_output is "
+                f"{all_gather_output.dtype} on {all_gather_output.device}; the copy-out does "
+                "not cast: allocate unsharded tensors in the param dtype on the same device"
+            )
+
+
+def torch_all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    out: Sequence[torch.Tensor],
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+) -> None:
+    """Reference: gathers the params' row segments with one index per element and
+    scatters them rank by rank, with no loop over params (the tile table is
+    only checked). Per-param outputs are filled by ``split_with_sizes_copy``."""
+    check_all_gather_copy_out(
+        all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len,
+    )  # fmt: skip
+    world_size = all_gather_output.shape[0]
+    seg, pos, cols = segment_columns(row_offsets, padded_numel)
+    if len(out) == 1:
+        base = unsharded_offsets[seg] + pos
+        step = padded_numel[seg]
+        for rank in range(world_size):
+            out[0].index_copy_(0, base + rank * step, all_gather_output[rank, cols])
+        return
+    for i, t in enumerate(out):
+        if t.numel() % world_size:
+            raise ValueError(
+                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel"
+            )
+    torch.split_with_sizes_copy(
+        all_gather_output[:, cols],
+        padded_numel.tolist(),
+        dim=1,
+        out=[t.view(world_size, -1) for t in out],
+    )
+
+
+@jit
+def _copy_out_kernel(
+    src,
+    dst,
+    dst_ptrs,
+    dst_numel,
+    row_offsets,
+    unsharded_offsets,
+    padded_numel,
+    tile_param,
+    tile_start,
+    tile_len,
+    row_numel,
+    out_numel,
+    PER_PARAM: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    rank = tl.program_id(1).to(tl.int64)
+    p = tl.load(tile_param + tile)
+    start = tl.load(tile_start + tile)
+    n = tl.load(padded_numel + p)
+    # Tiles over the alignment gap after a param's n elements copy nothing.
+    count = tl.minimum(tl.load(tile_len + tile).to(tl.int64), n - start)
+    # The clamps below keep every access inside the buffers whatever the tables
+    # hold (the launcher cannot check table contents without a synchronization).
+    row_offset = tl.load(row_offsets + p)
+    count = tl.minimum(count, row_numel - row_offset - start)
+    src_base = src + rank * row_numel + row_offset + start
+    if PER_PARAM:
+        count = tl.minimum(count, tl.load(dst_numel + p) - rank * n - start)
+        dst_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE)) + rank * n + start
+    else:
+        dst_offset = tl.load(unsharded_offsets + p) + rank * n + start
+        count = tl.minimum(count, out_numel - dst_offset)
+        dst_base = dst + dst_offset
+    for i in range(0, count, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < count
+        tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+
+
+def triton_all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    out: Sequence[torch.Tensor],
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+) -> None:
+    """One launch, grid (tiles, world size), whatever the number of params."""
+    require_triton()
+    check_all_gather_copy_out(
+        all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len,
+    )  # fmt: skip
+    world_size, row_numel = all_gather_output.shape
+    num_tiles = tile_param.numel()
+    if num_tiles == 0 or world_size == 0:
+        return
+    per_param = len(out) > 1
+    if per_param:
+        # [Note: Pointer tables] in reduce_scatter_copy_in.py.
+        table = torch.tensor(
+            [(t.data_ptr(), t.numel()) for t in out], dtype=torch.int64
+        ).to(all_gather_output.device, non_blocking=True)
+        dst_ptrs, dst_numel = table[:, 0].contiguous(), table[:, 1].contiguous()
+    else:
+        dst_ptrs = dst_numel = row_offsets  # unused
+    _copy_out_kernel[(num_tiles, world_size)](
+        all_gather_output,
+        out[0],
+        dst_ptrs,
+        dst_numel,
+        row_offsets,
+        unsharded_offsets,
+        padded_numel,
+        tile_param,
+        tile_start,
+        tile_len,
+        row_numel,
+        out[0].numel(),
+        PER_PARAM=per_param,
+        DTYPE=TL_DTYPES[all_gather_output.dtype],
+        BLOCK=BLOCK,
+        num_warps=4,
+    )

@@ -1,0 +1,117 @@
+"""Post-reduce: reduce-scatter output -> the group's sharded gradient buffer.
+
+The reduce-scatter output (reduce dtype) and the sharded gradient buffer
+(original dtype) share the row layout, so this is one flat pass: divide by the
+gradient divide factor in the reduce dtype, cast to the original dtype, then
+assign or accumulate. Rounding follows torch step by step: the division result
+is rounded to the reduce dtype, the cast to the original dtype, and an
+accumulation adds in float32 and rounds once, as ``grad += new`` does.
+
+[Note: Division by a scalar]
+torch divides a tensor by a Python scalar differently per device: CPU kernels
+divide, CUDA kernels multiply by the float32 reciprocal. The CPU op (the torch
+reference) and the CUDA kernel each follow their device's torch, so fsdp-rs
+gradients equal FSDP2's bit for bit on both. Division by a power of two is
+exact either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fsdp_rs.kernels._checks import check_float, check_same_device
+from fsdp_rs.kernels._triton import cdiv, jit, require_triton, tl
+
+__all__ = ["check_post_reduce", "torch_post_reduce", "triton_post_reduce"]
+
+OP = "post_reduce"
+BLOCK = 4096
+
+
+def check_post_reduce(
+    reduce_scatter_output: torch.Tensor,
+    sharded_grad: torch.Tensor,
+    divide_factor: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    check_float(OP, "reduce_scatter_output", reduce_scatter_output, 1)
+    check_float(OP, "sharded_grad", sharded_grad, 1)
+    check_same_device(
+        OP, [("reduce_scatter_output", reduce_scatter_output), ("sharded_grad", sharded_grad)]
+    )
+    if reduce_scatter_output.numel() != sharded_grad.numel():
+        raise ValueError(
+            f"{OP}: reduce_scatter_output has {reduce_scatter_output.numel()} elements but "
+            f"sharded_grad has {sharded_grad.numel()}; both must hold plan.row_numel elements"
+        )
+    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+        raise ValueError(
+            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
+            "pass 1.0 for no division"
+        )
+
+
+def torch_post_reduce(
+    reduce_scatter_output: torch.Tensor,
+    sharded_grad: torch.Tensor,
+    divide_factor: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    """Reference: ``grad (+)= (output / divide_factor).to(orig dtype)``."""
+    check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    reduced = reduce_scatter_output
+    if divide_factor != 1.0:
+        reduced = reduced / divide_factor
+    if accumulate:
+        sharded_grad += reduced.to(sharded_grad.dtype)
+    else:
+        sharded_grad.copy_(reduced)
+
+
+@jit
+def _post_reduce_kernel(
+    src,
+    dst,
+    numel,
+    inv_factor,
+    HAS_DIV: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(src + offs, mask=mask)
+    if HAS_DIV:
+        x = (x.to(tl.float32) * inv_factor).to(src.dtype.element_ty)
+    y = x.to(dst.dtype.element_ty)
+    if ACCUMULATE:
+        old = tl.load(dst + offs, mask=mask)
+        y = (old.to(tl.float32) + y.to(tl.float32)).to(dst.dtype.element_ty)
+    tl.store(dst + offs, y, mask=mask)
+
+
+def triton_post_reduce(
+    reduce_scatter_output: torch.Tensor,
+    sharded_grad: torch.Tensor,
+    divide_factor: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    """One launch over the row; see [Note: Division by a scalar]."""
+    require_triton()
+    check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    numel = sharded_grad.numel()
+    if numel == 0:
+        return
+    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    _post_reduce_kernel[(cdiv(numel, BLOCK),)](
+        reduce_scatter_output,
+        sharded_grad,
+        numel,
+        inv,
+        HAS_DIV=divide_factor != 1.0,
+        ACCUMULATE=bool(accumulate),
+        BLOCK=BLOCK,
+        num_warps=8,
+    )

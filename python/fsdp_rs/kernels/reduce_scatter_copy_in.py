@@ -1,0 +1,247 @@
+"""Reduce-scatter copy-in: unsharded gradients -> the reduce-scatter input ``[W, S]``.
+
+Rank ``r``'s row receives, for each param ``p`` at ``row_offsets[p]``, the
+gradient's chunk ``r`` (its rows ``[r*c, (r+1)*c)``, flattened: ``n`` elements,
+the padding rows past ``d0`` as zeros), then zeros over the alignment gap up to
+the next param. Params without a gradient (``None``) contribute zeros. The cast
+to the reduce dtype and an optional pre-division (FSDP2 pre-divides fp16
+gradients to avoid overflow) are fused in. The tiles of the planner's tile table
+cover every row exactly, so no separate zero-fill pass is needed.
+
+[Note: Pointer tables]
+Autograd hands over one gradient tensor per param, each its own allocation, so
+the kernel reads them through a table of (address, numel) int64 pairs built per
+call: O(P) Python attribute reads and one 16 B/param host-to-device copy, the
+same scheme torch's own ``_chunk_cat`` CUDA kernel uses. The alternatives cost
+more bandwidth: concatenating first adds a full read and write of every
+gradient, and pre-placing gradients in a group buffer makes autograd accumulate
+into zeroed memory (a memset plus a read-modify-write). The numel column bounds
+every read, so a wrong-sized gradient can never make the kernel read outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fsdp_rs.kernels._checks import (
+    FLOAT_DTYPES,
+    check_float,
+    check_same_device,
+    check_table,
+    check_tile_table,
+)
+from fsdp_rs.kernels._segments import segment_columns
+from fsdp_rs.kernels._triton import TL_DTYPES, jit, require_triton, tl
+
+__all__ = [
+    "check_reduce_scatter_copy_in",
+    "torch_reduce_scatter_copy_in",
+    "triton_reduce_scatter_copy_in",
+]
+
+OP = "reduce_scatter_copy_in"
+BLOCK = 2048
+
+
+def check_reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor | None],
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """O(1) checks; the per-gradient ones happen where the gradients are read."""
+    check_float(OP, "reduce_scatter_input", reduce_scatter_input, 2)
+    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
+    check_table(OP, "row_offsets", row_offsets, torch.int64, num_params)
+    check_table(OP, "padded_numel", padded_numel, torch.int64, num_params)
+    check_tile_table(OP, tile_param, tile_start, tile_len)
+    check_same_device(
+        OP,
+        [
+            ("reduce_scatter_input", reduce_scatter_input),
+            ("row_offsets", row_offsets),
+            ("tile_param", tile_param),
+        ],
+    )
+    if len(grads) != num_params:
+        raise ValueError(
+            f"{OP}: got {len(grads)} gradients for a plan of {num_params} params; pass one "
+            "entry per param in plan order (None for a param without a gradient)"
+        )
+    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+        raise ValueError(
+            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
+            "pass 1.0 for no division"
+        )
+
+
+def _check_grad(i: int, g: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if g.dtype != dtype:
+        raise TypeError(
+            f"{OP}: gradient {i} has dtype {g.dtype} but earlier ones have {dtype}; "
+            "all gradients of a group share the param dtype"
+        )
+    if g.device != device:
+        raise ValueError(
+            f"{OP}: gradient {i} is on {g.device} but reduce_scatter_input is on {device}"
+        )
+
+
+def _grad_dtype(grads: Sequence[torch.Tensor | None]) -> torch.dtype | None:
+    for g in grads:
+        if g is not None:
+            if g.dtype not in FLOAT_DTYPES:
+                raise TypeError(
+                    f"{OP}: gradients have dtype {g.dtype}; supported are float32, bfloat16 "
+                    "and float16"
+                )
+            return g.dtype
+    return None
+
+
+def torch_reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor | None],
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """Reference: ``torch._chunk_cat`` (what FSDP2 uses) into the rows, moved to the
+    aligned segments when the plan has alignment gaps, then ``div_``."""
+    check_reduce_scatter_copy_in(
+        grads, reduce_scatter_input, row_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor,
+    )  # fmt: skip
+    world_size, row_numel = reduce_scatter_input.shape
+    dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
+    chunks = []
+    for i, (g, n) in enumerate(zip(grads, padded_numel.tolist(), strict=True)):
+        if g is not None:
+            _check_grad(i, g, dtype, reduce_scatter_input.device)
+            d0 = g.shape[0] if g.dim() else 1
+            inner = g.numel() // d0 if d0 else 0
+            if g.dim() == 0 or -(-d0 // world_size) * inner != n:
+                raise ValueError(
+                    f"{OP}: gradient {i} has shape {tuple(g.shape)}, whose padded chunk is not "
+                    f"the plan's {n} elements for world size {world_size}; pass the gradient "
+                    "of the unsharded param the plan was made for"
+                )
+        if n == 0:
+            continue  # contributes nothing (torch._chunk_cat rejects empty tensors)
+        chunks.append(g if g is not None else torch.zeros(world_size, n, dtype=dtype))
+    total = int(padded_numel.sum())
+    dense = reduce_scatter_input if total == row_numel else None
+    if not chunks:
+        reduce_scatter_input.zero_()
+    else:
+        packed = dense
+        if packed is None:
+            packed = reduce_scatter_input.new_empty(world_size, total)
+        torch._chunk_cat(chunks, 0, world_size, out=packed)
+        if dense is None:
+            reduce_scatter_input.zero_()
+            reduce_scatter_input[:, segment_columns(row_offsets, padded_numel)[2]] = packed
+    if divide_factor != 1.0:
+        reduce_scatter_input.div_(divide_factor)
+
+
+@jit
+def _rs_copy_in_kernel(
+    grad_ptrs,
+    grad_numel,
+    dst,
+    row_offsets,
+    padded_numel,
+    tile_param,
+    tile_start,
+    tile_len,
+    row_numel,
+    inv_factor,
+    GRAD_DTYPE: tl.constexpr,
+    HAS_DIV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    rank = tl.program_id(1).to(tl.int64)
+    p = tl.load(tile_param + tile)
+    start = tl.load(tile_start + tile)
+    n = tl.load(padded_numel + p)
+    row_offset = tl.load(row_offsets + p)
+    # Clamped so no write leaves the row whatever the tables hold.
+    length = tl.minimum(tl.load(tile_len + tile).to(tl.int64), row_numel - row_offset - start)
+    # Elements that come from the gradient; the rest of the tile is zeros:
+    # padding rows past d0, the alignment gap, or a missing gradient (numel 0).
+    valid = tl.minimum(n, tl.load(grad_numel + p) - rank * n) - start
+    src = tl.load(grad_ptrs + p).to(tl.pointer_type(GRAD_DTYPE)) + rank * n + start
+    dst_base = dst + rank * row_numel + row_offset + start
+    for i in range(0, length, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < valid, other=0.0)
+        y = x.to(dst.dtype.element_ty)
+        if HAS_DIV:
+            y = (y.to(tl.float32) * inv_factor).to(dst.dtype.element_ty)
+        tl.store(dst_base + offs, y, mask=offs < length)
+
+
+def triton_reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor | None],
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """One launch, grid (tiles, world size); see [Note: Pointer tables]."""
+    require_triton()
+    check_reduce_scatter_copy_in(
+        grads, reduce_scatter_input, row_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor,
+    )  # fmt: skip
+    world_size, row_numel = reduce_scatter_input.shape
+    num_tiles = tile_param.numel()
+    if num_tiles == 0:
+        return
+    device = reduce_scatter_input.device
+    dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
+    entries = []
+    keep_alive = []  # contiguous copies must live until the launch is queued
+    for i, g in enumerate(grads):
+        if g is None:
+            entries.append((0, 0))
+            continue
+        _check_grad(i, g, dtype, device)
+        if not g.is_contiguous():
+            g = g.contiguous()
+            keep_alive.append(g)
+        entries.append((g.data_ptr(), g.numel()))
+    table = torch.tensor(entries, dtype=torch.int64).to(device, non_blocking=True)
+    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    _rs_copy_in_kernel[(num_tiles, world_size)](
+        table[:, 0].contiguous(),
+        table[:, 1].contiguous(),
+        reduce_scatter_input,
+        row_offsets,
+        padded_numel,
+        tile_param,
+        tile_start,
+        tile_len,
+        row_numel,
+        inv,
+        GRAD_DTYPE=TL_DTYPES[dtype],
+        HAS_DIV=divide_factor != 1.0,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
+    del keep_alive

@@ -1,0 +1,54 @@
+"""CPU, CUDA and fake impls of the four group copies.
+
+CPU impls are the plain-torch references (also the test oracle); CUDA impls are
+the Triton kernels, one launch each; fake impls run the same O(1) argument checks
+and return nothing, as the ops only mutate their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_rs.kernels import all_gather_copy_in as copy_in
+from fsdp_rs.kernels import all_gather_copy_out as copy_out
+from fsdp_rs.kernels import post_reduce as post
+from fsdp_rs.kernels import reduce_scatter_copy_in as rs_copy_in
+from fsdp_rs.ops._library import LIB, NAMESPACE
+
+__all__: list[str] = []
+
+_IMPLS = {
+    "all_gather_copy_in": (
+        copy_in.torch_all_gather_copy_in,
+        copy_in.triton_all_gather_copy_in,
+        copy_in.check_all_gather_copy_in,
+    ),
+    "all_gather_copy_out": (
+        copy_out.torch_all_gather_copy_out,
+        copy_out.triton_all_gather_copy_out,
+        copy_out.check_all_gather_copy_out,
+    ),
+    "reduce_scatter_copy_in": (
+        rs_copy_in.torch_reduce_scatter_copy_in,
+        rs_copy_in.triton_reduce_scatter_copy_in,
+        rs_copy_in.check_reduce_scatter_copy_in,
+    ),
+    "post_reduce": (
+        post.torch_post_reduce,
+        post.triton_post_reduce,
+        post.check_post_reduce,
+    ),
+}
+
+
+def _fake(check):
+    def fake(*args, **kwargs) -> None:
+        check(*args, **kwargs)
+
+    return fake
+
+
+for _name, (_cpu, _cuda, _check) in _IMPLS.items():
+    LIB.impl(_name, _cpu, "CPU")
+    LIB.impl(_name, _cuda, "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake(_check), lib=LIB)

@@ -1,0 +1,72 @@
+"""Plan tables as torch tensors on the buffers' device, built once per group."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fsdp_rs._core import GroupPlan
+
+__all__ = ["GroupTables"]
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # The planner's arrays are read-only views of Rust memory; torch warns that it
+    # cannot mark tensors read-only. The ops never write their tables.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device)
+
+
+@dataclass(frozen=True)
+class GroupTables:
+    """The plan tables the copy ops take, in their argument order.
+
+    On CPU the tensors share the plan's memory (zero copy; keep the plan alive,
+    which ``plan`` does); elsewhere they are one upload per table."""
+
+    plan: GroupPlan
+    row_offsets: torch.Tensor
+    unsharded_offsets: torch.Tensor
+    padded_numel: torch.Tensor
+    tile_param: torch.Tensor
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+
+    @classmethod
+    def from_plan(cls, plan: GroupPlan, device: torch.device | str = "cpu") -> GroupTables:
+        device = torch.device(device)
+        return cls(
+            plan,
+            _tensor(plan.row_offsets, device),
+            _tensor(plan.unsharded_offsets, device),
+            _tensor(plan.padded_sharded_numel, device),
+            _tensor(plan.tile_param, device),
+            _tensor(plan.tile_start, device),
+            _tensor(plan.tile_len, device),
+        )
+
+    def copy_out_args(self) -> tuple[torch.Tensor, ...]:
+        """Table arguments of ``all_gather_copy_out``."""
+        return (
+            self.row_offsets,
+            self.unsharded_offsets,
+            self.padded_numel,
+            self.tile_param,
+            self.tile_start,
+            self.tile_len,
+        )
+
+    def reduce_scatter_args(self) -> tuple[torch.Tensor, ...]:
+        """Table arguments of ``reduce_scatter_copy_in``."""
+        return (
+            self.row_offsets,
+            self.padded_numel,
+            self.tile_param,
+            self.tile_start,
+            self.tile_len,
+        )

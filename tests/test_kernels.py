@@ -1,0 +1,214 @@
+"""Triton kernels against their torch references and the naive oracle.
+
+On a CPU-only machine the kernels run under ``TRITON_INTERPRET=1`` (set in
+conftest.py), whose bf16 cast truncates where CUDA rounds to nearest even, and
+whose division by a scalar divides where the CUDA kernel multiplies by the
+reciprocal: casts and non-power-of-two divisions are compared within 1 ulp
+there, everything else bit for bit. With CUDA, every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
+from copy_oracle import rows_of, unsharded_of
+from fsdp_rs import plan_group
+from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
+from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
+from fsdp_rs.kernels.post_reduce import triton_post_reduce
+from fsdp_rs.kernels.reduce_scatter_copy_in import triton_reduce_scatter_copy_in
+from fsdp_rs.ops import GroupTables
+from fsdp_rs.planning import shapes_to_arrays
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = DEVICE.type == "cpu"
+
+CASES = {
+    "odd": [(17, 257), (13,), (7, 3, 5), (1,), (5, 1)],
+    "primes": [(2,), (3, 3), (5, 7), (11, 13), (31,)],
+    "empty": [(0,), (3,), (0, 4), (4, 0), (2, 2)],
+    "1d": [(4099,)],
+    "huge_and_tiny": [(61, 257)] + [(1 + i % 3, 2) for i in range(40)],
+}
+WORLD_SIZES = [1, 2, 3, 8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# Small tiles so the big params span many tiles and the tiny ones leave blocks
+# part-filled; the kernels' BLOCK (2048) also exceeds a tile here.
+TILE_NUMEL = 512
+
+
+def dtype_id(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def make_plan(shapes, world_size, rank, orig, param, reduce, tile_numel=TILE_NUMEL):
+    ndims, dims = shapes_to_arrays(shapes)
+    return plan_group(
+        ndims, dims, world_size, rank,
+        orig_elem_size=SIZE[orig], param_elem_size=SIZE[param],
+        reduce_elem_size=SIZE[reduce], tile_numel=tile_numel,
+    )  # fmt: skip
+
+
+def make_params(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def assert_close_1ulp(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    exact: bool,
+    ulps: int = 1,
+    scale: torch.Tensor | None = None,
+    ulp_of: torch.dtype | None = None,
+) -> None:
+    """Bit-equal when ``exact``; else within ``ulps`` ulp of ``expected``'s dtype
+    (one per rounding step the interpreter may take differently), measured at
+    ``scale`` (default ``|expected|``; a sum's error scales with its terms) in
+    the ulps of ``ulp_of`` (default ``expected.dtype``)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if exact:
+        assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+        return
+    a, e = actual.double(), expected.double()
+    same = (a == e) | (a.isnan() & e.isnan())
+    info = torch.finfo(ulp_of or expected.dtype)
+    magnitude = e.abs() if scale is None else scale.double().abs()
+    tol = ulps * (magnitude * info.eps + info.tiny)
+    bad = ~same & ~((a - e).abs() <= tol)
+    assert not bad.any(), f"{int(bad.sum())} elements differ by more than 1 ulp"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("orig", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("param", DTYPES, ids=dtype_id)
+def test_all_gather_copy_in(case, world_size, orig, param):
+    shapes = CASES[case]
+    rank = world_size - 1  # the last rank carries the most padding
+    plan = make_plan(shapes, world_size, rank, orig, param, orig)
+    sharded = rows_of(make_params(shapes, orig), plan, orig)[rank].to(DEVICE)
+    expected = torch.full((world_size, plan.row_numel), float("nan"), dtype=param, device=DEVICE)
+    actual = expected.clone()
+    torch.ops.fsdp_rs.all_gather_copy_in(sharded, expected, rank)
+    triton_all_gather_copy_in(sharded, actual, rank)
+    # The reference against the oracle: only row `rank` changes, a plain cast.
+    assert torch.equal(expected[rank], sharded.to(param))
+    assert expected[:rank].isnan().all() and expected[rank + 1 :].isnan().all()
+    assert_close_1ulp(actual, expected, exact=orig == param or not INTERPRETED)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("per_param", [False, True], ids=["group_buffer", "per_param"])
+def test_all_gather_copy_out(case, world_size, dtype, per_param):
+    shapes = CASES[case]
+    plan = make_plan(shapes, world_size, 0, torch.float32, dtype, torch.float32)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    params = make_params(shapes, dtype, seed=1)
+    all_gather_output = rows_of(params, plan, dtype).to(DEVICE)
+    expected = unsharded_of(params, plan, fill=-7.0, dtype=dtype)
+
+    def outputs():
+        if not per_param:
+            return [torch.full((plan.unsharded_numel,), -7.0, dtype=dtype, device=DEVICE)]
+        n = plan.padded_sharded_numel.tolist()
+        return [torch.full((world_size * k,), -7.0, dtype=dtype, device=DEVICE) for k in n]
+
+    def flatten(out):
+        if not per_param:
+            return out[0].cpu()
+        result = torch.full((plan.unsharded_numel,), -7.0, dtype=dtype)
+        for t, off in zip(out, plan.unsharded_offsets.tolist(), strict=True):
+            result[off : off + t.numel()] = t.cpu()
+        return result
+
+    ref, tri = outputs(), outputs()
+    torch.ops.fsdp_rs.all_gather_copy_out(all_gather_output, ref, *tables.copy_out_args())
+    triton_all_gather_copy_out(all_gather_output, tri, *tables.copy_out_args())
+    assert torch.equal(flatten(ref), expected)
+    assert torch.equal(flatten(tri), expected)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("grad", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
+def test_reduce_scatter_copy_in(case, world_size, grad, reduce):
+    shapes = CASES[case]
+    plan = make_plan(shapes, world_size, 0, torch.float32, grad, reduce)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    grads = make_params(shapes, grad, seed=2)
+    grads[len(grads) // 2] = None  # a param without a gradient contributes zeros
+    dense = [g if g is not None else torch.zeros(s, dtype=grad) for g, s in zip(grads, shapes)]
+    expected = rows_of(dense, plan, reduce)
+    on_device = [g.to(DEVICE) if g is not None else None for g in grads]
+    ref = torch.full((world_size, plan.row_numel), float("nan"), dtype=reduce, device=DEVICE)
+    tri = ref.clone()
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(on_device, ref, *tables.reduce_scatter_args())
+    triton_reduce_scatter_copy_in(on_device, tri, *tables.reduce_scatter_args())
+    assert torch.equal(ref.cpu(), expected)  # every element written: no NaN left
+    assert_close_1ulp(tri, ref, exact=grad == reduce or not INTERPRETED)
+
+
+@pytest.mark.parametrize("divide_factor", [2.0, 3.0, 8.0])
+@pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
+def test_reduce_scatter_copy_in_predivide(divide_factor, reduce):
+    shapes = CASES["odd"]
+    plan = make_plan(shapes, 3, 0, torch.float32, torch.float32, reduce)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    grads = [g.to(DEVICE) for g in make_params(shapes, torch.float32, seed=3)]
+    ref = torch.empty(3, plan.row_numel, dtype=reduce, device=DEVICE)
+    tri = torch.empty_like(ref)
+    args = tables.reduce_scatter_args()
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, ref, *args, divide_factor=divide_factor)
+    triton_reduce_scatter_copy_in(grads, tri, *args, divide_factor)
+    expected = rows_of([g.cpu() for g in grads], plan, reduce).div_(divide_factor)
+    assert torch.equal(ref.cpu(), expected)
+    power_of_two = divide_factor in (2.0, 8.0)
+    exact = not INTERPRETED or (reduce == torch.float32 and power_of_two)
+    # Interpreted: the cast to bf16/fp16 and the division each round once.
+    assert_close_1ulp(tri, ref, exact=exact, ulps=2)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 17, 4097, 10_000])
+@pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("orig", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("divide_factor", [1.0, 4.0, 3.0])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["assign", "accumulate"])
+def test_post_reduce(numel, reduce, orig, divide_factor, accumulate):
+    g = torch.Generator().manual_seed(numel)
+    output = torch.randn(numel, generator=g).to(reduce).to(DEVICE)
+    start = torch.randn(numel, generator=g).to(orig).to(DEVICE)
+    ref, tri = start.clone(), start.clone()
+    torch.ops.fsdp_rs.post_reduce(output, ref, divide_factor, accumulate)
+    triton_post_reduce(output, tri, divide_factor, accumulate)
+    update = (output / divide_factor if divide_factor != 1.0 else output).to(orig)
+    expected = start + update if accumulate else update
+    assert torch.equal(ref, expected)
+    # Interpreted, a step rounds differently only where it narrows: a
+    # non-power-of-two division, a cast down to bf16/fp16, a bf16/fp16 sum.
+    narrows = orig != torch.float32 and (orig != reduce or accumulate)
+    exact = not INTERPRETED or (divide_factor in (1.0, 4.0) and not narrows)
+    scale = start.abs() + update.abs() if accumulate else None
+    coarsest = max(reduce, orig, key=lambda d: torch.finfo(d).eps)
+    # divide, cast, add: three roundings, the first two at most in the coarser dtype
+    assert_close_1ulp(tri, ref, exact=exact, ulps=3, scale=scale, ulp_of=coarsest)
+
+
+def test_default_tile_size_single_tile_per_param():
+    """The default 64 Ki-element tiles: one tile per small param, loop inside big ones."""
+    shapes = [(3, 5000), (7,), (1, 3)]
+    plan = make_plan(shapes, 2, 0, torch.float32, torch.float32, torch.float32, tile_numel=65536)
+    assert plan.num_tiles == 3
+    tables = GroupTables.from_plan(plan, DEVICE)
+    params = make_params(shapes, torch.float32, seed=4)
+    out = [torch.zeros(plan.unsharded_numel, device=DEVICE)]
+    triton_all_gather_copy_out(rows_of(params, plan, torch.float32).to(DEVICE), out,
+                               *tables.copy_out_args())  # fmt: skip
+    assert torch.equal(out[0].cpu(), unsharded_of(params, plan, 0.0, torch.float32))
