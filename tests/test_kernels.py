@@ -145,7 +145,10 @@ def test_reduce_scatter_copy_in(case, world_size, grad, reduce):
     tables = GroupTables.from_plan(plan, DEVICE)
     grads = make_params(shapes, grad, seed=2)
     grads[len(grads) // 2] = None  # a param without a gradient contributes zeros
-    dense = [g if g is not None else torch.zeros(s, dtype=grad) for g, s in zip(grads, shapes)]
+    dense = [
+        g if g is not None else torch.zeros(s, dtype=grad)
+        for g, s in zip(grads, shapes, strict=True)
+    ]
     expected = rows_of(dense, plan, reduce)
     on_device = [g.to(DEVICE) if g is not None else None for g in grads]
     ref = torch.full((world_size, plan.row_numel), float("nan"), dtype=reduce, device=DEVICE)

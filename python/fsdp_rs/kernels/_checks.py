@@ -30,9 +30,10 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
             f"{op}: {name} has dtype {t.dtype}; supported are float32, bfloat16 and float16"
         )
     if t.dim() != ndim:
+        layout = "[world_size, row_numel]" if ndim == 2 else "one flat buffer"
         raise ValueError(
-            f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}; "
-            f"pass the group buffer itself{' viewed as [world_size, row_numel]' if ndim == 2 else ''}"
+            f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}; pass the group "
+            f"buffer as {layout}"
         )
     if not t.is_contiguous():
         raise ValueError(

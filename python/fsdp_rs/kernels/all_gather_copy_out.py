@@ -184,9 +184,9 @@ def triton_all_gather_copy_out(
     per_param = len(out) > 1
     if per_param:
         # [Note: Pointer tables] in reduce_scatter_copy_in.py.
-        table = torch.tensor(
-            [(t.data_ptr(), t.numel()) for t in out], dtype=torch.int64
-        ).to(all_gather_output.device, non_blocking=True)
+        table = torch.tensor([(t.data_ptr(), t.numel()) for t in out], dtype=torch.int64).to(
+            all_gather_output.device, non_blocking=True
+        )
         dst_ptrs, dst_numel = table[:, 0].contiguous(), table[:, 1].contiguous()
     else:
         dst_ptrs = dst_numel = row_offsets  # unused

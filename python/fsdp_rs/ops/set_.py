@@ -5,11 +5,13 @@ Under torch.compile the unsharded parameter object is created once and, after
 each all-gather, re-pointed at the freshly allocated all-gather output. If
 functionalization rewrote this ``set_``, AOTAutograd would have to reason about
 two aliased, mutated graph inputs, which it does not support. So the op gets its
-own Functionalize kernel that unwraps both tensors and applies ``set_`` to the
-inner tensors directly: the graph keeps ``fsdp_rs.set_`` as a mutation in
-place, and ``has_side_effect`` keeps dead-code elimination from dropping it
-(its result is unused by construction). This is sound because the parameter is
-never read between its allocation and the ``set_`` that fills it.
+own Functionalize kernel that unwraps both tensors and applies ``aten.set_`` to
+the inner tensors directly: the graph keeps the ``set_`` as a mutation in place
+(AOTAutograd accepts an in-graph ``set_`` into a graph input, and Inductor lowers
+it), and ``has_side_effect`` keeps dead-code elimination from dropping the op
+in graphs that hold it unlowered (its result is unused by construction). This is
+sound because the parameter is never read between its allocation and the
+``set_`` that fills it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def _set_functionalize(tensor: torch.Tensor, data: torch.Tensor) -> None:
     inner = torch._from_functional_tensor(tensor)
     torch._sync(data)
     inner_data = torch._from_functional_tensor(data)
-    with torch._C._ExcludeDispatchKeyGuard(_FUNCTIONALIZE):
-        torch.ops.fsdp_rs.set_.default(inner, inner_data)
+    _check(inner, inner_data)
+    with torch._C._ExcludeDispatchKeyGuard(_FUNCTIONALIZE), torch.no_grad():
+        # Recorded as aten.set_ on the graph input: the one in-graph mutation
+        # AOTAutograd accepts besides copy_, and one Inductor lowers.
+        torch.ops.aten.set_.source_Tensor(inner, inner_data)
 
 
 for _key in ("CPU", "CUDA", "Meta"):
