@@ -78,9 +78,22 @@ def test_schemas_declare_mutations():
         assert parsed.returns == []
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _to(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, list):
+        return [_to(t, device) for t in x]
+    return x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("sample", SAMPLES)
-def test_opcheck(sample):
-    torch.library.opcheck(op_of(sample), SAMPLES[sample]())
+def test_opcheck(sample, device):
+    args = tuple(_to(a, device) for a in SAMPLES[sample]())
+    torch.library.opcheck(op_of(sample), args)
 
 
 def _clone(x):

@@ -35,6 +35,8 @@ def test_wheel_is_abi3_and_ships_the_package(wheel: Path):
         "fsdp_rs/_core.pyi",
         "fsdp_rs/py.typed",
         "fsdp_rs/kernels/__init__.py",
+        "fsdp_rs/kernels/all_gather_copy_out.py",
+        "fsdp_rs/ops/__init__.py",
         "fsdp_rs/planning/reference.py",
         "fsdp_rs/bench/__main__.py",
     ]:
@@ -64,7 +66,9 @@ def test_fresh_venv_imports_the_installed_wheel(wheel: Path, tmp_path: Path):
     )
     script = (
         "import sys\n"
-        "import fsdp_rs, fsdp_rs._core, fsdp_rs.kernels, fsdp_rs.planning\n"
+        "import fsdp_rs, fsdp_rs._core, fsdp_rs.kernels, fsdp_rs.ops, fsdp_rs.planning\n"
+        "import torch\n"
+        "assert torch.ops.fsdp_rs.post_reduce.default\n"
         "import numpy as np\n"
         "assert fsdp_rs.__file__.startswith(sys.argv[1]), fsdp_rs.__file__\n"
         "plan = fsdp_rs.plan_group(np.array([2], np.int64), np.array([5, 3], np.int64), 2, 1)\n"

@@ -8,6 +8,16 @@ holds the Triton copy kernels (imported lazily, only where CUDA is present).
 from fsdp_rs._core import __version__
 from fsdp_rs.planning import FlatPlan, GroupPlan, peak_memory, plan_flat, plan_group
 
+_RUNTIME = (
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+)
+
 __all__ = [
     "FlatPlan",
     "GroupPlan",
@@ -15,4 +25,14 @@ __all__ = [
     "peak_memory",
     "plan_flat",
     "plan_group",
+    *_RUNTIME,
 ]
+
+
+def __getattr__(name: str):
+    # The runtime imports torch.distributed; load it on first use only.
+    if name in _RUNTIME:
+        from fsdp_rs import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'fsdp_rs' has no attribute {name!r}")

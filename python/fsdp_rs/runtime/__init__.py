@@ -1,0 +1,22 @@
+"""The ``fully_shard`` runtime: param groups, their state machine, hooks and API.
+
+Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
+``mesh`` (process groups of a device mesh), ``params`` (sharded and unsharded
+parameter views of the group buffers), ``collectives`` (gradient divide
+factors), ``param_group`` (one planner call, buffers and the transitions),
+``state`` (module hooks, root and lazy init) and ``api`` (``fully_shard`` and
+``FSDPModule``).
+"""
+
+from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

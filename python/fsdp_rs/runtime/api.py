@@ -1,0 +1,256 @@
+"""``fully_shard``, ``FSDPModule`` and ``register_fsdp_forward_method``: the
+same names, arguments and semantics as torch FSDP2."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_rs.runtime.mesh import mesh_info
+from fsdp_rs.runtime.param_group import FSDPParamGroup
+from fsdp_rs.runtime.params import collect_params
+from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.state import FSDPState
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard the parameters of ``module`` (or of a list of modules, as one group)
+    over ``mesh`` and return it with its class swapped to ``FSDP<Cls>``.
+
+    Apply it bottom-up (blocks first, then the root): each call manages the
+    parameters not already managed by an inner call."""
+    modules = list(module) if isinstance(module, list | tuple) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(
+            "fully_shard: expected an nn.Module or a non-empty list of nn.Modules, got "
+            f"{type(module).__name__}"
+        )
+    for m in modules:
+        if isinstance(m, FSDPModule) or getattr(m, "_fsdp_rs_state", None) is not None:
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} was already passed to fully_shard; apply it "
+                "once per module (bottom-up: submodules first, then their parent)"
+            )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
+        )
+    info = mesh_info(mesh)
+    post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
+    taken: dict[int, str] = {}
+    for root in modules:
+        for sub in root.modules():
+            state = getattr(sub, "_fsdp_rs_state", None)
+            if state is not None and state.group is not None:
+                desc = f"the fully_shard group of {type(sub).__name__}"
+                taken.update((id(p), desc) for p in state.group.managed.params)
+    managed = collect_params(modules, ignored_params or (), taken)
+    if shard_placement_fn is not None:
+        for fqn, p in zip(managed.fqns, managed.params, strict=True):
+            placement = shard_placement_fn(p)
+            dim = getattr(placement, "dim", 0) if placement is not None else 0
+            if dim != 0:
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn returned {placement} for {fqn}; fsdp-rs "
+                    "shards dim 0 only: return None or Shard(0)"
+                )
+    group = None
+    if managed.params:
+        offload = isinstance(offload_policy, CPUOffloadPolicy)
+        group = FSDPParamGroup(
+            managed, modules, info, mp_policy, offload,
+            offload and offload_policy.pin_memory, post_forward,
+        )  # fmt: skip
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    for m in modules:
+        m._fsdp_rs_state = state
+        cls = m.__class__
+        new_cls = _CLASS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLASS_CACHE[cls] = new_cls
+        m.__class__ = new_cls
+    return module
+
+
+def _post_forward_size(reshard_after_forward: bool | int | None, shard_size: int) -> int | None:
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return None
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be None, a bool or an int, got "
+            f"{type(reshard_after_forward).__name__}"
+        )
+    if reshard_after_forward < 1 or shard_size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward} must divide the shard "
+            f"world size {shard_size} (an intra-node size, e.g. 8)"
+        )
+    return reshard_after_forward
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixin of every module passed to ``fully_shard`` (its class becomes
+    ``FSDP<Cls>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Direct construction builds the original class, as FSDP2 does.
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    @property
+    def _state(self) -> FSDPState:
+        return self._fsdp_rs_state
+
+    def _states(self, recurse: bool) -> Iterable[FSDPState]:
+        if not recurse:
+            return [self._state]
+        seen, out = set(), []
+        for m in self.modules():
+            s = getattr(m, "_fsdp_rs_state", None)
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                out.append(s)
+        return out
+
+    def _groups(self, recurse: bool) -> list:
+        return [s.group for s in self._states(recurse) if s.group is not None]
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the sharded ones are registered again."""
+        if self._state.group is not None:
+            self._state.group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters; with ``async_op`` return a handle to wait on."""
+        group = self._state.group
+        if group is None:
+            return UnshardHandle(None) if async_op else None
+        if self._state.context is None:
+            self._state._lazy_init()
+        group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        if self._state.context is not None:
+            self._state.context.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """Skip the reduce-scatter (and all-reduce) while False: gradients
+        accumulate unsharded, as for gradient accumulation without communication."""
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+            group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
+            )
+        for state in self._states(recurse):
+            state.reshard_after_forward_arg = reshard_after_forward
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        self._state.forward_prefetch = [m._state for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        self._state.backward_prefetch = [m._state for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        if self._state.context is not None:
+            self._state.context.post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        for group in self._groups(True):
+            group.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        for group in self._groups(True):
+            group.force_sum_reduction = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        for group in self._groups(False):
+            group.all_reduce_hook = hook
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        for group in self._groups(False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # module.to / to_empty / cuda replace the registered sharded parameters:
+        # re-point the group buffers at them.
+        result = super()._apply(*args, **kwargs)
+        for group in self._groups(True):
+            group.adopt_registered()
+        return result
+
+
+def _check_fsdp_modules(modules: list, method: str) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method}: {type(m).__name__} is not a fully_shard module; pass modules that "
+                "fully_shard returned"
+            )
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` with the same unshard/reshard hooks as forward."""
+    if not isinstance(module, FSDPModule):
+        return
+    state = module._state
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        out = orig(*args, **kwargs)
+        return state._post_forward_hook(module, args, out)
+
+    setattr(module, method_name, wrapped)

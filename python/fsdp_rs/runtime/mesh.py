@@ -1,0 +1,70 @@
+"""The process groups ``fully_shard`` works over, taken from a ``DeviceMesh``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+__all__ = ["MeshInfo", "default_mesh", "mesh_info"]
+
+
+@dataclass(frozen=True, eq=False)
+class MeshInfo:
+    """A 1-D mesh shards (FSDP); a 2-D mesh replicates over dim 0 and shards over
+    dim 1 (HSDP)."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+
+    @property
+    def placements(self) -> tuple:
+        if self.replicate_group is None:
+            return (Shard(0),)
+        return (Replicate(), Shard(0))
+
+    @cached_property
+    def device(self) -> torch.device:
+        if self.mesh.device_type == "cpu":
+            return torch.device("cpu")
+        module = getattr(torch, self.mesh.device_type)
+        return torch.device(self.mesh.device_type, module.current_device())
+
+
+def default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call dist.init_process_group(...) first "
+            "(torchrun sets up the environment), or pass mesh=init_device_mesh(...)"
+        )
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
+    if mesh is None:
+        mesh = default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}; build one with init_device_mesh(device_type, (world_size,)) "
+            "or (replicas, shards) for HSDP"
+        )
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+        return MeshInfo(mesh, group, group.size(), group.rank(), None, 1)
+    if mesh.ndim == 2:
+        shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
+    raise ValueError(
+        f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D mesh "
+        "(replicate, shard) for HSDP"
+    )

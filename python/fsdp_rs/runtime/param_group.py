@@ -1,0 +1,486 @@
+"""One parameter group: one planner call, the group buffers, and the
+SHARDED / UNSHARDED / SHARDED_POST_FORWARD transitions.
+
+Per step a group makes O(1) op and collective calls; the only per-parameter
+work is reading the gradients autograd hands over and the C-level swaps of
+[Note: Swapping registered parameters].
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
+from fsdp_rs.ops import GroupTables
+from fsdp_rs.planning import plan_group, shapes_to_arrays
+from fsdp_rs.runtime.collectives import gradient_division
+from fsdp_rs.runtime.mesh import MeshInfo
+from fsdp_rs.runtime.params import ManagedParams, clear_grads, get_grads, set_grads
+
+__all__ = ["FSDPParamGroup", "ShardedState"]
+
+OPS = torch.ops.fsdp_rs
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()
+    """Only the sharded buffer exists; the sharded DTensors are registered."""
+    SHARDED_POST_FORWARD = enum.auto()
+    """After forward with ``reshard_after_forward=int``: this rank also keeps its
+    post-forward group's rows of the all-gather output, so the backward all-gather
+    runs over the smaller post-forward group."""
+    UNSHARDED = enum.auto()
+    """The unsharded buffer is allocated and filled; the unsharded parameters
+    (views into it) are registered."""
+
+
+def _post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
+    """The group of ``size`` consecutive shard ranks this rank belongs to; every
+    rank creates every such group, as ``new_group`` requires."""
+    mesh = info.mesh.mesh.reshape(-1, info.shard_size)
+    mine = None
+    for row in mesh.tolist():
+        for start in range(0, info.shard_size, size):
+            ranks = row[start : start + size]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    assert mine is not None
+    return mine
+
+
+def _alias(storage, like: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A tensor over ``storage`` with a version counter of its own.
+
+    [Note: Unsharded parameter versions]
+    Autograd checks that tensors saved for backward were not written in place
+    since. A view shares its base's version counter, so with views of the
+    unsharded buffer, the copy-out that refills the buffer before backward would
+    bump every parameter's version and fail that check. Aliasing the storage with
+    ``set_`` gives each parameter an independent counter; the buffer tensor the
+    copy-out writes keeps its own."""
+    stride = torch.empty(shape, device="meta").stride()
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
+
+
+class FSDPParamGroup:
+    def __init__(
+        self,
+        managed: ManagedParams,
+        modules: Sequence[nn.Module],
+        info: MeshInfo,
+        mp_policy,
+        offload_to_cpu: bool,
+        pin_memory: bool,
+        post_forward_size: int | None,
+    ) -> None:
+        self.managed = managed
+        self.modules = tuple(modules)
+        self.info = info
+        self.device = info.device
+        params = managed.params
+        self._check_params(params)
+        self.orig_dtype = params[0].dtype
+        param_dtype = mp_policy.param_dtype or self.orig_dtype
+        self.param_dtype = param_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or param_dtype
+        self.offload_to_cpu = offload_to_cpu
+        self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
+        self.shapes = [p.shape for p in params]
+        self.requires_grad = [p.requires_grad for p in params]
+        self.post_forward_size = post_forward_size
+        self.plan = plan_group(
+            *shapes_to_arrays(self.shapes),
+            info.shard_size,
+            info.shard_rank,
+            orig_elem_size=self.orig_dtype.itemsize,
+            param_elem_size=param_dtype.itemsize,
+            reduce_elem_size=self.reduce_dtype.itemsize,
+            post_forward_world_size=post_forward_size,
+        )
+        self.tables = GroupTables.from_plan(self.plan, self.device)
+        self.post_forward_group = (
+            _post_forward_group(info, post_forward_size)
+            if post_forward_size not in (None, 1, info.shard_size)
+            else None
+        )
+        # flags the state, the API and the hooks set
+        self.state = ShardedState.SHARDED
+        self.reduce_grads = True
+        self.all_reduce_grads = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.is_last_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.all_reduce_hook = None
+        self.force_sum_reduction = False
+        self.reshard_after_forward: bool | int = True
+        self.post_backward_done = False
+        self._pending_unshard = None  # (work, all-gather output) of an async unshard
+        self._post_forward_rows: torch.Tensor | None = None
+        self._accumulated: list[torch.Tensor | None] | None = None
+        self._partial_reduce: torch.Tensor | None = None
+        self._build_sharded(params)
+
+    # ------------------------------------------------------------------ init
+
+    def _check_params(self, params: list[nn.Parameter]) -> None:
+        devices = {p.device for p in params if not p.is_meta}
+        if len(devices) > 1:
+            listing = ", ".join(
+                f"{fqn}: {p.device}" for fqn, p in zip(self.managed.fqns, params, strict=True)
+            )
+            raise ValueError(
+                f"fully_shard: the parameters are on different devices ({listing}); move the "
+                "module to one device first (module.to(device)), or use the meta device for all"
+            )
+        if devices and (device := devices.pop()).type != self.device.type:
+            if not (device.type == "cpu" and self.device.type != "cpu"):
+                raise ValueError(
+                    f"fully_shard: parameters are on {device} but the mesh is on "
+                    f"{self.device}; move the module to {self.device} or build the mesh "
+                    f"for {device.type}"
+                )
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"fully_shard: one group holds parameters of dtypes {sorted(map(str, dtypes))}; "
+                "fsdp-rs shards one dtype per group: apply fully_shard separately to the "
+                "submodules of each dtype"
+            )
+        for fqn, p in zip(self.managed.fqns, params, strict=True):
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard: parameter {fqn} is already a DTensor (sharded by another "
+                    "fully_shard or tensor parallelism); fsdp-rs shards plain tensors only"
+                )
+            if p.dim() == 0:
+                raise ValueError(
+                    f"fully_shard: parameter {fqn} is a 0-dim scalar; FSDP shards dim 0: "
+                    "make it shape (1,) or pass it in ignored_params"
+                )
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"fully_shard: parameter {fqn} has dtype {p.dtype}; only floating-point "
+                    "parameters can be sharded: pass it in ignored_params"
+                )
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"fully_shard: parameter {fqn} is not contiguous (shape {tuple(p.shape)}, "
+                    f"stride {p.stride()}); make it contiguous before sharding, e.g. "
+                    "param.data = param.data.contiguous()"
+                )
+
+    @property
+    def shard_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload_to_cpu else self.device
+
+    def _alloc_sharded(self, device: torch.device) -> torch.Tensor:
+        buf = torch.zeros(self.plan.row_numel, dtype=self.orig_dtype, device=device)
+        if self.pin_memory and device.type == "cpu":
+            buf = buf.pin_memory()
+        return buf
+
+    def _build_sharded(self, params: list[nn.Parameter]) -> None:
+        """Sharded buffer filled from the full parameters (one reduce-scatter
+        copy-in of them gives every rank's row; this rank keeps its own), and
+        the sharded DTensor parameters as views into it."""
+        meta = any(p.is_meta for p in params)
+        device = torch.device("meta") if meta else self.shard_device
+        self.sharded = self._alloc_sharded(device)
+        if not meta:
+            with torch.no_grad():
+                self._fill_sharded(params)
+        self._make_sharded_params([p.requires_grad for p in params])
+        self.managed.swap(self.sharded_params)
+
+    def _fill_sharded(self, full: Sequence[torch.Tensor | None]) -> None:
+        src_device = next((t.device for t in full if t is not None), self.device)
+        work_device = self.device if src_device.type != "cpu" else src_device
+        rows = torch.empty(
+            self.info.shard_size, self.plan.row_numel, dtype=self.orig_dtype, device=work_device
+        )
+        tables = self.tables if work_device == self.device else GroupTables.from_plan(self.plan)
+        full = [None if t is None else t.detach().to(work_device) for t in full]
+        OPS.reduce_scatter_copy_in(full, rows, *tables.reduce_scatter_args())
+        self.sharded.copy_(rows[self.info.shard_rank])
+
+    def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        plan = self.plan
+        views = []
+        offsets = plan.row_offsets.tolist()
+        sizes = plan.sharded_sizes.tolist()
+        dim_offsets = plan.dim_offsets.tolist()
+        numels = plan.sharded_numel.tolist()
+        for i, off in enumerate(offsets):
+            size = sizes[dim_offsets[i] : dim_offsets[i + 1]]
+            views.append(buffer[off : off + numels[i]].view(size))
+        return views
+
+    def _make_sharded_params(self, requires_grad: list[bool]) -> None:
+        info = self.info
+        self.sharded_params: list[nn.Parameter] = []
+        for local, shape, rg in zip(
+            self._local_views(self.sharded), self.shapes, requires_grad, strict=True
+        ):
+            dt = DTensor.from_local(
+                local, info.mesh, info.placements, run_check=False, shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )  # fmt: skip
+            self.sharded_params.append(nn.Parameter(dt, requires_grad=rg))
+        self._grad_params = [p for p in self.sharded_params if p.requires_grad]
+        self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
+        self._grad_views: list[DTensor] | None = None
+        self.unsharded_params: list[nn.Parameter] | None = None
+
+    def adopt_registered(self) -> None:
+        """Re-point the group at the registered parameters when something replaced
+        them (``to_empty``, ``module.to``, ``load_state_dict(assign=True)``): copy
+        their local shards into a fresh sharded buffer and rebuild the views."""
+        current = self.managed.registered()
+        if all(map(operator.is_, current, self.sharded_params)) and all(
+            p._local_tensor.untyped_storage().data_ptr()
+            == self.sharded.untyped_storage().data_ptr()
+            or p._local_tensor.numel() == 0
+            for p in current[:1]
+        ):
+            return
+        for fqn, p in zip(self.managed.fqns, current, strict=True):
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"fsdp_rs: parameter {fqn} was replaced by a {type(p).__name__}; after "
+                    "fully_shard, load sharded state (DTensors, e.g. from model.state_dict() or "
+                    "torch.distributed.checkpoint) or use load_state_dict without assign=True"
+                )
+        locals_ = [p._local_tensor for p in current]
+        device = next((t.device for t in locals_ if not t.is_meta), torch.device("meta"))
+        if device.type == "meta":
+            return
+        self.sharded = self._alloc_sharded(self.shard_device)
+        with torch.no_grad():
+            for view, local in zip(self._local_views(self.sharded), locals_, strict=True):
+                view.copy_(local)
+        self._make_sharded_params([p.requires_grad for p in current])
+        self.managed.swap(self.sharded_params)
+
+    def _make_unsharded_params(self) -> None:
+        plan = self.plan
+        self.unsharded = torch.empty(
+            plan.unsharded_numel, dtype=self.param_dtype, device=self.device
+        )
+        offsets = plan.unsharded_offsets.tolist()
+        storage = self.unsharded.untyped_storage()
+        self.unsharded_params = [
+            nn.Parameter(_alias(storage, self.unsharded, off, s), requires_grad=rg)
+            for off, s, rg in zip(offsets, self.shapes, self.requires_grad, strict=True)
+        ]
+        self._unsharded_with_grad = [p for p in self.unsharded_params if p.requires_grad]
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    # --------------------------------------------------------------- unshard
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather (copy-in + collective); ``wait_for_unshard``
+        finishes it (copy-out). A no-op when unsharded or already started."""
+        if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
+            return
+        if self.unsharded_params is None:
+            self._make_unsharded_params()
+        info, plan = self.info, self.plan
+        ag = torch.empty(
+            info.shard_size, plan.row_numel, dtype=self.param_dtype, device=self.device
+        )
+        with torch.no_grad():
+            if self.state == ShardedState.SHARDED_POST_FORWARD:
+                rows = self._post_forward_rows
+                self._post_forward_rows = None
+                work = dist.all_gather_into_tensor(
+                    ag.view(-1), rows.view(-1), group=self.post_forward_group, async_op=async_op
+                )
+                self._keep = rows
+            else:
+                sharded = self.sharded
+                if sharded.device != self.device:
+                    sharded = sharded.to(self.device, non_blocking=True)
+                OPS.all_gather_copy_in(sharded, ag, info.shard_rank)
+                work = None
+                if info.shard_size > 1:
+                    work = dist.all_gather_into_tensor(
+                        ag.view(-1), ag[info.shard_rank], group=info.shard_group, async_op=async_op
+                    )
+        self._pending_unshard = (work if async_op else None, ag)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
+            return
+        if self._pending_unshard is None:
+            self.unshard()
+            return
+        work, ag = self._pending_unshard
+        self._pending_unshard = None
+        self._keep = None
+        if work is not None:
+            work.wait()
+        self._alloc_unsharded()
+        with torch.no_grad():
+            OPS.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+        if self.post_forward_group is not None:
+            size = self.info.shard_size // self.post_forward_size
+            first = (self.info.shard_rank % self.post_forward_size) * size
+            self._ag_rows = (ag, first, size)
+        self.state = ShardedState.UNSHARDED
+        self.managed.swap(self.unsharded_params)
+
+    # --------------------------------------------------------------- reshard
+
+    def reshard(self, after_forward: bool = False) -> None:
+        if self._pending_unshard is not None:
+            self.wait_for_unshard()
+        if self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
+            self._post_forward_rows = None
+            self.state = ShardedState.SHARDED
+        if self.state != ShardedState.UNSHARDED:
+            return
+        keep_rows = after_forward and self.post_forward_group is not None
+        if keep_rows:
+            ag, first, size = self._ag_rows
+            self._post_forward_rows = ag[first : first + size].clone()
+        self._ag_rows = None
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
+        self.managed.swap(self.sharded_params)
+
+    # ---------------------------------------------------------- post-backward
+
+    def post_backward(self) -> None:
+        """Reduce the gradients autograd left on the unsharded parameters into the
+        sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
+        self.post_backward_done = True
+        if self.unsharded_params is None:
+            return
+        grads = get_grads(self._unsharded_with_grad)
+        clear_grads(self._unsharded_with_grad)
+        if any(g is not None for g in grads):
+            with torch.no_grad():
+                self._reduce(grads)
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce(self, grads: list[torch.Tensor | None]) -> None:
+        if self._accumulated is not None:
+            grads = [
+                a if g is None else (g if a is None else a + g)
+                for a, g in zip(self._accumulated, grads, strict=True)
+            ]
+            self._accumulated = None
+        if not self.reduce_grads:
+            # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does.
+            self._accumulated = [None if g is None else g.to(self.reduce_dtype) for g in grads]
+            return
+        info, plan = self.info, self.plan
+        division = gradient_division(
+            self.reduce_dtype,
+            info.shard_size,
+            info.replicate_size,
+            self.gradient_divide_factor,
+            self.force_sum_reduction,
+        )
+        full = [None] * len(self.shapes)
+        for i, g in zip(self._grad_index, grads, strict=True):
+            full[i] = g
+        rs_in = torch.empty(
+            info.shard_size, plan.row_numel, dtype=self.reduce_dtype, device=self.device
+        )
+        OPS.reduce_scatter_copy_in(full, rs_in, *self.tables.reduce_scatter_args(), division.pre)
+        post = division.post
+        if info.shard_size > 1:
+            output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
+            dist.reduce_scatter_tensor(
+                output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
+            )
+        else:
+            output = rs_in[0]
+            if self.gradient_divide_factor is not None:
+                post = (
+                    post * self.gradient_divide_factor
+                    if post != 1.0
+                    else self.gradient_divide_factor
+                )
+        if info.replicate_group is not None:
+            if not self.all_reduce_grads:
+                self._partial_reduce = (
+                    output if self._partial_reduce is None else self._partial_reduce + output
+                )
+                return
+            if self._partial_reduce is not None:
+                output = output + self._partial_reduce
+                self._partial_reduce = None
+            dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(output)
+        self._assign_grads(output, post, [g is not None for g in grads])
+
+    def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
+        """Post-reduce into the sharded gradient buffer, then make sure every
+        parameter that got a gradient has a ``.grad`` view of it."""
+        if self._grad_views is None:
+            self.grad_buffer = torch.zeros_like(self.sharded)
+            self._grad_views = [
+                DTensor.from_local(
+                    local,
+                    self.info.mesh,
+                    self.info.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )  # fmt: skip
+                for local, p in zip(
+                    [self._local_views(self.grad_buffer)[i] for i in self._grad_index],
+                    self._grad_params,
+                    strict=True,
+                )
+            ]
+        if output.device != self.grad_buffer.device:
+            output = output.to(self.grad_buffer.device)
+        current = get_grads(self._grad_params)
+        ours = list(map(operator.is_, current, self._grad_views))
+        if all(ours) and all(had_grad):
+            OPS.post_reduce(output, self.grad_buffer, divide, True)
+            return
+        if not any(c is not None for c in current) and all(had_grad):
+            OPS.post_reduce(output, self.grad_buffer, divide, False)
+            set_grads(self._grad_params, self._grad_views)
+            return
+        # Rare path (some gradients None or replaced by the user): per parameter.
+        fresh = torch.empty_like(self.grad_buffer)
+        OPS.post_reduce(output, fresh, divide, False)
+        fresh_views = self._local_views(fresh)
+        own_views = self._local_views(self.grad_buffer)
+        for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
+            if not had_grad[k]:
+                continue
+            if current[k] is None:
+                own_views[i].copy_(fresh_views[i])
+                p.grad = self._grad_views[k]
+            elif ours[k]:
+                own_views[i].add_(fresh_views[i])
+            else:
+                current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))

@@ -1,0 +1,121 @@
+"""Which parameters a group manages, where they are registered, and swapping
+the registered objects between sharded and unsharded parameters.
+
+[Note: Swapping registered parameters]
+Outside forward and backward a module's registered parameters are the sharded
+DTensors (what optimizers, ``state_dict`` and checkpointing see); inside, they
+are plain unsharded ``nn.Parameter``s whose data lives in the group's unsharded
+buffer. Both sets of objects are created once. A swap writes every registration
+slot (``module._parameters[name]``; a shared parameter has several) with
+``map`` over prebuilt lists, so the per-parameter work happens in C, with no
+Python bytecode per parameter.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+
+import torch
+from torch import nn
+
+__all__ = ["ManagedParams", "clear_grads", "collect_params", "get_grads"]
+
+_get_grad = operator.attrgetter("grad")
+
+
+def get_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    return list(map(_get_grad, params))
+
+
+def clear_grads(params: Sequence[torch.Tensor]) -> None:
+    deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
+
+
+def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    deque(map(setattr, params, repeat("grad"), grads), maxlen=0)
+
+
+class ManagedParams:
+    """The group's parameters (unique, in registration order) and every slot
+    that registers one of them."""
+
+    def __init__(self, params: list[nn.Parameter], fqns: list[str]) -> None:
+        self.params = params
+        self.fqns = fqns
+        self.slot_dicts: list[dict] = []
+        self.slot_names: list[str] = []
+        self.slot_index: list[int] = []
+        self.index = {id(p): i for i, p in enumerate(params)}
+
+    def add_slot(self, module: nn.Module, name: str, index: int) -> None:
+        self.slot_dicts.append(module._parameters)
+        self.slot_names.append(name)
+        self.slot_index.append(index)
+
+    def registered(self) -> list[torch.Tensor]:
+        """The objects registered now, one per parameter (first slot of each)."""
+        first = {}
+        for d, name, i in zip(self.slot_dicts, self.slot_names, self.slot_index, strict=True):
+            first.setdefault(i, d[name])
+        return [first[i] for i in range(len(self.params))]
+
+    def swap(self, objects: Sequence[torch.Tensor]) -> None:
+        """Register ``objects[i]`` in every slot of parameter ``i``; see
+        [Note: Swapping registered parameters]."""
+        expanded = list(map(objects.__getitem__, self.slot_index))
+        deque(map(operator.setitem, self.slot_dicts, self.slot_names, expanded), maxlen=0)
+
+
+def _is_managed_elsewhere(module: nn.Module) -> bool:
+    return getattr(module, "_fsdp_rs_state", None) is not None
+
+
+def collect_params(
+    roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], taken: dict[int, str]
+) -> ManagedParams:
+    """Parameters registered under ``roots``, skipping the subtrees of modules
+    already passed to ``fully_shard`` and the ``ignored`` parameters.
+
+    ``taken`` maps ``id(param)`` to a description of the group owning it; a
+    parameter shared with another group is an error (both groups would shard
+    and reduce it)."""
+    ignored_ids = {id(p) for p in ignored}
+    params: list[nn.Parameter] = []
+    fqns: list[str] = []
+    slots: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    seen_modules: set[int] = set()
+    for root_index, root in enumerate(roots):
+        stack = [(root, "" if len(roots) == 1 else f"[{root_index}]")]
+        while stack:
+            module, prefix = stack.pop()
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            for name, param in module._parameters.items():
+                if param is None or id(param) in ignored_ids:
+                    continue
+                if id(param) in taken:
+                    raise ValueError(
+                        f"fully_shard: parameter {prefix}{name} (shape {tuple(param.shape)}) is "
+                        f"shared with {taken[id(param)]}; a parameter can belong to one "
+                        "fully_shard group only: shard the modules that share it together "
+                        "(e.g. apply fully_shard to their common parent, or pass them as one "
+                        "list to fully_shard)"
+                    )
+                slots.append((module, name, prefix + name, param))
+            for child_name, child in reversed(list(module._modules.items())):
+                if child is not None and not _is_managed_elsewhere(child):
+                    stack.append((child, f"{prefix}{child_name}."))
+    index: dict[int, int] = {}
+    for _, _, fqn, param in slots:
+        if id(param) not in index:
+            index[id(param)] = len(params)
+            params.append(param)
+            fqns.append(fqn)  # relative to the group's module; for messages
+    managed = ManagedParams(params, fqns)
+    for module, name, _, param in slots:
+        managed.add_slot(module, name, index[id(param)])
+    return managed

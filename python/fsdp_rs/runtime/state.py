@@ -1,0 +1,232 @@
+"""Module hooks: unshard before forward, reshard after, unshard again before
+backward, reduce after; the root's lazy init and its end-of-backward callback.
+
+[Note: Root and lazy init]
+The first ``fully_shard`` module whose forward runs while no other one's forward
+is running is the root. At that first forward it collects every fsdp-rs state
+in its subtree into one ``Context``, decides ``reshard_after_forward=None``
+(False for the root, which is about to be used by backward anyway, True for the
+others), and adopts parameters replaced since ``fully_shard`` (``to_empty``,
+``load_state_dict(assign=True)``).
+
+[Note: Backward hooks]
+Before a module's backward, a multi-grad hook on its forward outputs unshards
+its group (unless still unsharded) and prefetches the group that ran before it
+in forward. After the module's backward, an autograd function applied to its
+forward inputs reduces the gradients. Groups whose inputs need no gradient (the
+root, usually) are reduced by the root's end-of-backward callback, which also
+reshards every group and resets the per-iteration state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
+
+__all__ = ["Context", "FSDPState"]
+
+
+class Context:
+    """Per-root state shared by all fsdp-rs states under one root."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.forward_order: list[FSDPState] = []
+        self.callback_queued = False
+        self.is_last_backward = True
+        self.post_optim_event = None
+
+
+_in_forward: list[FSDPState] = []
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        group: FSDPParamGroup | None,
+        reshard_after_forward: bool | int | None,
+        mp_policy,
+    ) -> None:
+        self.modules = tuple(modules)
+        self.group = group
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.context: Context | None = None
+        self.is_root = False
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._modules_done = 0
+        for module in self.modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
+
+    # ------------------------------------------------------------- lazy init
+
+    def _lazy_init(self) -> None:
+        """See [Note: Root and lazy init]."""
+        if self.context is not None:
+            return
+        self.is_root = True
+        states: list[FSDPState] = []
+        seen: set[int] = set()
+        for root in self.modules:
+            for module in root.modules():
+                state = getattr(module, "_fsdp_rs_state", None)
+                if state is not None and id(state) not in seen:
+                    if state.context is not None and state is not self:
+                        raise RuntimeError(
+                            "fsdp_rs: a fully_shard module under this root already ran forward "
+                            "as its own root; run forward on the outermost module first"
+                        )
+                    seen.add(id(state))
+                    states.append(state)
+        context = Context(states)
+        for state in states:
+            state.context = context
+            if state.group is not None:
+                raf = state.reshard_after_forward_arg
+                state.group.reshard_after_forward = (state is not self) if raf is None else raf
+                state.group.adopt_registered()
+
+    # --------------------------------------------------------------- forward
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.context is None:
+            if _in_forward:
+                raise RuntimeError(
+                    "fsdp_rs: a nested fully_shard module ran forward before its root was "
+                    "initialized; call the root module's forward first"
+                )
+            self._lazy_init()
+        _in_forward.append(self)
+        if self.is_root:
+            self._root_pre_forward()
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        group = self.group
+        if group is not None and self._modules_done == 0:
+            if torch.is_grad_enabled():
+                self.context.forward_order.append(self)
+            group.unshard()
+            group.wait_for_unshard()
+            for other in self.forward_prefetch:
+                if other.group is not None:
+                    other.group.unshard(async_op=True)
+        if torch.is_grad_enabled() and group is not None:
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        context = self.context
+        if torch.is_grad_enabled():
+            context.forward_order = []
+        if context.post_optim_event is not None:
+            torch.cuda.current_stream().wait_event(context.post_optim_event)
+            context.post_optim_event = None
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        _in_forward.remove(self)
+        group = self.group
+        if group is not None:
+            self._modules_done += 1
+            if self._modules_done == len(self.modules):
+                self._modules_done = 0
+                if group.reshard_after_forward is not False:
+                    group.reshard(after_forward=True)
+            output = self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    # -------------------------------------------------------------- backward
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _pre_backward(self, *unused: Any) -> None:
+        context = self.context
+        if not context.callback_queued:
+            context.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        group = self.group
+        if group is None:
+            return
+        group.post_backward_done = False
+        if group.state != ShardedState.UNSHARDED and group.unshard_in_backward:
+            group.unshard()
+            group.wait_for_unshard()
+        for other in self._backward_prefetch_targets():
+            if other.group is not None and other.group.unshard_in_backward:
+                other.group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.context.forward_order
+        try:
+            i = order.index(self)
+        except ValueError:
+            return []
+        return [order[i - 1]] if i > 0 else []
+
+    def post_backward(self) -> None:
+        if self.group is not None and not self.group.post_backward_done:
+            self.group.post_backward()
+
+    def _end_of_backward(self) -> None:
+        """The root's callback once the whole backward ran; see [Note: Backward hooks]."""
+        context = self.context
+        context.callback_queued = False
+        for state in context.states:
+            group = state.group
+            if group is None:
+                continue
+            if not group.post_backward_done:
+                group.post_backward()
+            if group.reshard_after_backward or group.state == ShardedState.SHARDED_POST_FORWARD:
+                group.reshard()
+            group.post_backward_done = False
+            state._modules_done = 0
+        context.forward_order = []
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return tree_map_only(torch.Tensor, cast, tree)
