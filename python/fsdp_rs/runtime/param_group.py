@@ -231,9 +231,13 @@ class FSDPParamGroup:
             self._local_views(self.sharded), self.shapes, requires_grad, strict=True
         ):
             dt = DTensor.from_local(
-                local, info.mesh, info.placements, run_check=False, shape=shape,
+                local,
+                info.mesh,
+                info.placements,
+                run_check=False,
+                shape=shape,
                 stride=torch.empty(shape, device="meta").stride(),
-            )  # fmt: skip
+            )
             self.sharded_params.append(nn.Parameter(dt, requires_grad=rg))
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
@@ -245,11 +249,9 @@ class FSDPParamGroup:
         them (``to_empty``, ``module.to``, ``load_state_dict(assign=True)``): copy
         their local shards into a fresh sharded buffer and rebuild the views."""
         current = self.managed.registered()
+        buffer_ptr = self.sharded.untyped_storage().data_ptr()
         if all(map(operator.is_, current, self.sharded_params)) and all(
-            p._local_tensor.untyped_storage().data_ptr()
-            == self.sharded.untyped_storage().data_ptr()
-            or p._local_tensor.numel() == 0
-            for p in current[:1]
+            p._local_tensor.untyped_storage().data_ptr() == buffer_ptr for p in current
         ):
             return
         for fqn, p in zip(self.managed.fqns, current, strict=True):
@@ -418,12 +420,8 @@ class FSDPParamGroup:
             )
         else:
             output = rs_in[0]
-            if self.gradient_divide_factor is not None:
-                post = (
-                    post * self.gradient_divide_factor
-                    if post != 1.0
-                    else self.gradient_divide_factor
-                )
+            if self.gradient_divide_factor is not None and post == 1.0:
+                post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
         if info.replicate_group is not None:
             if not self.all_reduce_grads:
                 self._partial_reduce = (
@@ -451,7 +449,7 @@ class FSDPParamGroup:
                     run_check=False,
                     shape=p.shape,
                     stride=p.stride(),
-                )  # fmt: skip
+                )
                 for local, p in zip(
                     [self._local_views(self.grad_buffer)[i] for i in self._grad_index],
                     self._grad_params,
