@@ -1,0 +1,193 @@
+"""Training scenarios run under real gloo collectives by spawned processes.
+
+Every scenario trains the same model, from the same initial weights and with
+per-rank data, twice: with torch FSDP2's ``fully_shard`` and with fsdp-rs's,
+and records losses and final full parameters. Some also train a replicated
+reference (plain model, gradients averaged with ``all_reduce``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+STEPS = 5
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """A small decoder with weight tying (the output projection is the embedding)."""
+
+    def __init__(self, vocab: int = 37, dim: int = 12, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
+def mlp(dims=(16, 33, 7, 13, 5)) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _mlp_data(step: int, rank: int, dim: int = 16):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, dim, generator=g)
+
+
+def _tokens(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 37, (4, 9), generator=g)
+
+
+def _shard_layers(model: nn.Module, fs: Callable, **kwargs) -> None:
+    children = model.blocks if isinstance(model, Transformer) else model
+    for child in children:
+        if any(True for _ in child.parameters()):
+            fs(child, **kwargs)
+    fs(model, **kwargs)
+
+
+SCENARIOS: dict[str, dict] = {
+    "mlp": {},
+    "mlp_no_reshard": {"kwargs": {"reshard_after_forward": False}},
+    "mlp_reshard_int": {"kwargs": {"reshard_after_forward": 2}, "min_world": 4},
+    "transformer_tied": {"model": "transformer"},
+    "transformer_bf16": {"model": "transformer", "mp": (torch.bfloat16, torch.float32)},
+    "mlp_cpu_offload": {"offload": True},
+    "mlp_grad_accumulation": {"accumulate": True},
+    "mlp_explicit_prefetch": {"prefetch": True},
+    "mlp_uneven": {"dims": (16, 3, 13, 2, 5)},
+    "mlp_frozen": {"frozen": 2},
+    "mlp_ignored": {"ignored": 2},
+    "mlp_hsdp": {"hsdp": True, "min_world": 4},
+    "transformer_compiled_blocks": {"model": "transformer", "compile": True},
+}
+
+
+def _build(spec: dict) -> nn.Module:
+    torch.manual_seed(0)
+    if spec.get("model") == "transformer":
+        return Transformer()
+    return mlp(spec.get("dims", (16, 33, 7, 13, 5)))
+
+
+def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
+    """Losses and final full parameters; ``fs=None`` trains the replicated reference."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    model = _build(spec)
+    transformer = spec.get("model") == "transformer"
+    if spec.get("frozen") is not None:
+        for p in model[spec["frozen"]].parameters():
+            p.requires_grad_(False)
+    kwargs = dict(spec.get("kwargs", {}))
+    if spec.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=spec["mp"][0], reduce_dtype=spec["mp"][1]
+        )
+    if spec.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if spec.get("hsdp"):
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world_size // 2))
+    ignored = None
+    if spec.get("ignored") is not None:
+        ignored = set(model[spec["ignored"]].parameters())
+    if fs is not None:
+        if ignored is not None:
+            children = list(model)
+            for i, child in enumerate(children):
+                if i != spec["ignored"] and any(True for _ in child.parameters()):
+                    fs(child, **kwargs)
+            fs(model, ignored_params=ignored, **kwargs)
+        else:
+            _shard_layers(model, fs, **kwargs)
+        if spec.get("prefetch"):
+            layers = [m for m in model if any(True for _ in m.parameters())]
+            for a, b in zip(layers[:-1], layers[1:], strict=True):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
+        if spec.get("compile"):
+            for block in model.blocks:
+                block.forward = torch.compile(block.forward)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        micro = 2 if spec.get("accumulate") else 1
+        for k in range(micro):
+            if fs is not None and spec.get("accumulate"):
+                model.set_requires_gradient_sync(k == micro - 1)
+            data = _tokens(step * 10 + k, rank) if transformer else _mlp_data(step * 10 + k, rank)
+            out = model(data)
+            loss = out.float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        if fs is None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+        opt.step()
+        opt.zero_grad()
+    params = [
+        p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
+    ]
+    ignored_local = [p.detach() for p in ignored] if ignored else []
+    return losses, [t.tolist() for t in params + ignored_local]
+
+
+def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    import fsdp_rs
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    results = {}
+    for name in names:
+        spec = SCENARIOS[name]
+        try:
+            torch_run = train(spec, torch_fully_shard, world_size, rank)
+            ours = train(spec, fsdp_rs.fully_shard, world_size, rank)
+            result = {"torch": torch_run, "fsdp_rs": ours}
+            if name in ("mlp", "transformer_tied"):
+                result["replicated"] = train(spec, None, world_size, rank)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        results[name] = result
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
