@@ -9,6 +9,7 @@ reference (plain model, gradients averaged with ``all_reduce``).
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import traceback
@@ -56,7 +57,7 @@ class Transformer(nn.Module):
 
 def mlp(dims=(16, 33, 7, 13, 5)) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for a, b in zip(dims[:-1], dims[1:], strict=True):
+    for a, b in itertools.pairwise(dims):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -86,11 +87,11 @@ SCENARIOS: dict[str, dict] = {
     "transformer_tied": {"model": "transformer"},
     "transformer_bf16": {"model": "transformer", "mp": (torch.bfloat16, torch.float32)},
     "mlp_cpu_offload": {"offload": True},
-    "mlp_grad_accumulation": {"accumulate": True},
+    "mlp_grad_accumulation": {"accumulate": True, "layout_differs": True},
     "mlp_explicit_prefetch": {"prefetch": True},
     "mlp_uneven": {"dims": (16, 3, 13, 2, 5)},
-    "mlp_frozen": {"frozen": 2},
-    "mlp_ignored": {"ignored": 2},
+    "mlp_frozen": {"frozen": 2, "layout_differs": True},
+    "mlp_ignored": {"ignored": 2, "layout_differs": True},
     "mlp_hsdp": {"hsdp": True, "min_world": 4},
     "transformer_compiled_blocks": {"model": "transformer", "compile": True},
 }
@@ -120,7 +121,9 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
     if spec.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if spec.get("hsdp"):
-        kwargs["mesh"] = init_device_mesh("cpu", (2, world_size // 2))
+        kwargs["mesh"] = init_device_mesh(
+            "cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")
+        )
     ignored = None
     if spec.get("ignored") is not None:
         ignored = set(model[spec["ignored"]].parameters())
@@ -135,7 +138,7 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
             _shard_layers(model, fs, **kwargs)
         if spec.get("prefetch"):
             layers = [m for m in model if any(True for _ in m.parameters())]
-            for a, b in zip(layers[:-1], layers[1:], strict=True):
+            for a, b in itertools.pairwise(layers):
                 a.set_modules_to_forward_prefetch([b])
                 b.set_modules_to_backward_prefetch([a])
         if spec.get("compile"):
@@ -172,8 +175,9 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )
-    import fsdp_rs
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp_rs
 
     results = {}
     for name in names:

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_scenarios import SCENARIOS, worker  # noqa: E402
+from dist_scenarios import SCENARIOS, worker
 
 WORLD_SIZES = (2, 4)
 
@@ -48,9 +48,10 @@ def _check(per_rank, name, exact=True):
             assert f_losses == t_losses, f"rank {rank} losses differ"
             assert f_params == t_params, f"rank {rank} final parameters differ"
         else:
-            torch.testing.assert_close(torch.tensor(f_losses), torch.tensor(t_losses))
+            tight = {"rtol": 1e-6, "atol": 1e-7}
+            torch.testing.assert_close(torch.tensor(f_losses), torch.tensor(t_losses), **tight)
             for a, b in zip(f_params, t_params, strict=True):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **tight)
         if "replicated" in result:
             # Reduction order differs from an all-reduce, and AdamW normalizes
             # near-zero gradients, so parameters agree to AdamW's step size only.
@@ -67,4 +68,9 @@ def test_training_parity(results, name):
     world_size, per_rank = results
     if SCENARIOS[name].get("min_world", 2) > world_size:
         pytest.skip(f"needs world size >= {SCENARIOS[name]['min_world']}")
-    _check(per_rank, name)
+    # [Reduction order] gloo sums a reduce-scatter element over more than two
+    # ranks in an order that depends on its position in the buffer. Where
+    # fsdp-rs's row layout differs from FSDP2's (FSDP2 leaves parameters without
+    # gradients out of it), results agree to rounding, not bit for bit.
+    exact = world_size == 2 or not SCENARIOS[name].get("layout_differs")
+    _check(per_rank, name, exact=exact)

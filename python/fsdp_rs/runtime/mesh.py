@@ -39,14 +39,21 @@ class MeshInfo:
         return torch.device(self.mesh.device_type, module.current_device())
 
 
+_DEFAULT_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+
+
 def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default group, made once (building one creates groups)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed: call dist.init_process_group(...) first "
             "(torchrun sets up the environment), or pass mesh=init_device_mesh(...)"
         )
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    key = (device_type, dist.get_world_size())
+    if key not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _DEFAULT_MESHES[key]
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:

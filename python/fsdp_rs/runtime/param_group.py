@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.ops import GroupTables
@@ -68,6 +69,16 @@ def _alias(storage, like: torch.Tensor, offset: int, shape: torch.Size) -> torch
     copy-out writes keeps its own."""
     stride = torch.empty(shape, device="meta").stride()
     return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
+
+
+def _dtensor(local: torch.Tensor, info: MeshInfo, shape: torch.Size) -> DTensor:
+    """A DTensor over ``local`` (no copy, not differentiable); cheaper than
+    ``DTensor.from_local``, which goes through autograd."""
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(
+        info.mesh, info.placements, tensor_meta=TensorMeta(shape, stride, local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)
 
 
 class FSDPParamGroup:
@@ -230,14 +241,7 @@ class FSDPParamGroup:
         for local, shape, rg in zip(
             self._local_views(self.sharded), self.shapes, requires_grad, strict=True
         ):
-            dt = DTensor.from_local(
-                local,
-                info.mesh,
-                info.placements,
-                run_check=False,
-                shape=shape,
-                stride=torch.empty(shape, device="meta").stride(),
-            )
+            dt = _dtensor(local, info, shape)
             self.sharded_params.append(nn.Parameter(dt, requires_grad=rg))
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
@@ -442,14 +446,7 @@ class FSDPParamGroup:
         if self._grad_views is None:
             self.grad_buffer = torch.zeros_like(self.sharded)
             self._grad_views = [
-                DTensor.from_local(
-                    local,
-                    self.info.mesh,
-                    self.info.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
+                _dtensor(local, self.info, p.shape)
                 for local, p in zip(
                     [self._local_views(self.grad_buffer)[i] for i in self._grad_index],
                     self._grad_params,
