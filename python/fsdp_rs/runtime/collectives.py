@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Division", "gradient_division"]
+__all__ = ["Division", "all_gather", "gradient_division", "reduce_scatter"]
+
+# torch >= 2.13 names the flat-tensor collectives *_single; older ones only
+# have the *_into_tensor / *_tensor names (deprecated since).
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.ops import GroupTables
 from fsdp_rs.planning import plan_group, shapes_to_arrays
-from fsdp_rs.runtime.collectives import gradient_division
+from fsdp_rs.runtime.collectives import all_gather, gradient_division, reduce_scatter
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, clear_grads, get_grads, set_grads
 
@@ -316,7 +316,7 @@ class FSDPParamGroup:
             if self.state == ShardedState.SHARDED_POST_FORWARD:
                 rows = self._post_forward_rows
                 self._post_forward_rows = None
-                work = dist.all_gather_into_tensor(
+                work = all_gather(
                     ag.view(-1), rows.view(-1), group=self.post_forward_group, async_op=async_op
                 )
                 self._keep = rows
@@ -327,7 +327,7 @@ class FSDPParamGroup:
                 OPS.all_gather_copy_in(sharded, ag, info.shard_rank)
                 work = None
                 if info.shard_size > 1:
-                    work = dist.all_gather_into_tensor(
+                    work = all_gather(
                         ag.view(-1), ag[info.shard_rank], group=info.shard_group, async_op=async_op
                     )
         self._pending_unshard = (work if async_op else None, ag)
@@ -419,7 +419,7 @@ class FSDPParamGroup:
         post = division.post
         if info.shard_size > 1:
             output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
-            dist.reduce_scatter_tensor(
+            reduce_scatter(
                 output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
             )
         else:
