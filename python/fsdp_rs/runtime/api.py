@@ -20,6 +20,13 @@ from fsdp_rs.runtime.state import FSDPState
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
 _CLASS_CACHE: dict[type, type] = {}
+_OWNER_ATTR = "_fsdp_rs_owner"
+
+
+def _owner_of(param: nn.Parameter) -> str | None:
+    # An attribute, not a weakref registry: weakrefs would stop nn.Module._apply
+    # from swapping the (DTensor) parameters in place.
+    return getattr(param, _OWNER_ATTR, None)
 
 
 def fully_shard(
@@ -57,14 +64,7 @@ def fully_shard(
         )
     info = mesh_info(mesh)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
-    taken: dict[int, str] = {}
-    for root in modules:
-        for sub in root.modules():
-            state = getattr(sub, "_fsdp_rs_state", None)
-            if state is not None and state.group is not None:
-                desc = f"the fully_shard group of {type(sub).__name__}"
-                taken.update((id(p), desc) for p in state.group.managed.params)
-    managed = collect_params(modules, ignored_params or (), taken)
+    managed = collect_params(modules, ignored_params or (), _owner_of)
     if shard_placement_fn is not None:
         for fqn, p in zip(managed.fqns, managed.params, strict=True):
             placement = shard_placement_fn(p)
@@ -81,6 +81,11 @@ def fully_shard(
             managed, modules, info, mp_policy, offload,
             offload and offload_policy.pin_memory, post_forward,
         )  # fmt: skip
+    if group is not None:
+        desc = f"the fully_shard group of {type(modules[0]).__name__}"
+        # Both the original parameters and the sharded ones that replace them.
+        for p in (*managed.params, *group.sharded_params):
+            setattr(p, _OWNER_ATTR, desc)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_rs_state = state
@@ -160,8 +165,7 @@ class FSDPModule:
         group = self._state.group
         if group is None:
             return UnshardHandle(None) if async_op else None
-        if self._state.context is None:
-            self._state._lazy_init()
+        group.adopt_registered()
         group.unshard(async_op=async_op)
         return UnshardHandle(group) if async_op else None
 

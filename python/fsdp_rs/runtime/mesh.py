@@ -39,7 +39,7 @@ class MeshInfo:
         return torch.device(self.mesh.device_type, module.current_device())
 
 
-_DEFAULT_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+_DEFAULT_MESHES: dict[str, tuple[dist.ProcessGroup, DeviceMesh]] = {}
 
 
 def default_mesh() -> DeviceMesh:
@@ -50,10 +50,13 @@ def default_mesh() -> DeviceMesh:
             "(torchrun sets up the environment), or pass mesh=init_device_mesh(...)"
         )
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    key = (device_type, dist.get_world_size())
-    if key not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _DEFAULT_MESHES[key]
+    # Tied to the default group object: a re-initialized process group needs a new mesh.
+    group = dist.distributed_c10d._get_default_group()
+    cached = _DEFAULT_MESHES.get(device_type)
+    if cached is None or cached[0] is not group:
+        cached = (group, init_device_mesh(device_type, (dist.get_world_size(),)))
+        _DEFAULT_MESHES[device_type] = cached
+    return cached[1]
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:

@@ -143,17 +143,17 @@ class FSDPParamGroup:
     # ------------------------------------------------------------------ init
 
     def _check_params(self, params: list[nn.Parameter]) -> None:
-        devices = {p.device for p in params if not p.is_meta}
+        devices = {p.device for p in params}
         if len(devices) > 1:
             listing = ", ".join(
                 f"{fqn}: {p.device}" for fqn, p in zip(self.managed.fqns, params, strict=True)
             )
             raise ValueError(
                 f"fully_shard: the parameters are on different devices ({listing}); move the "
-                "module to one device first (module.to(device)), or use the meta device for all"
+                "module to one device first (module.to(device)), or create all on the meta device"
             )
         if devices and (device := devices.pop()).type != self.device.type:
-            if not (device.type == "cpu" and self.device.type != "cpu"):
+            if device.type not in ("cpu", "meta"):
                 raise ValueError(
                     f"fully_shard: parameters are on {device} but the mesh is on "
                     f"{self.device}; move the module to {self.device} or build the mesh "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
 import torch
@@ -74,13 +74,15 @@ def _is_managed_elsewhere(module: nn.Module) -> bool:
 
 
 def collect_params(
-    roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], taken: dict[int, str]
+    roots: Sequence[nn.Module],
+    ignored: Iterable[nn.Parameter],
+    owner_of: Callable[[nn.Parameter], str | None],
 ) -> ManagedParams:
     """Parameters registered under ``roots``, skipping the subtrees of modules
     already passed to ``fully_shard`` and the ``ignored`` parameters.
 
-    ``taken`` maps ``id(param)`` to a description of the group owning it; a
-    parameter shared with another group is an error (both groups would shard
+    ``owner_of`` describes the group already owning a parameter (None if none);
+    a parameter shared with another group is an error (both groups would shard
     and reduce it)."""
     ignored_ids = {id(p) for p in ignored}
     params: list[nn.Parameter] = []
@@ -97,10 +99,11 @@ def collect_params(
             for name, param in module._parameters.items():
                 if param is None or id(param) in ignored_ids:
                     continue
-                if id(param) in taken:
+                owner = owner_of(param)
+                if owner is not None:
                     raise ValueError(
                         f"fully_shard: parameter {prefix}{name} (shape {tuple(param.shape)}) is "
-                        f"shared with {taken[id(param)]}; a parameter can belong to one "
+                        f"shared with {owner}; a parameter can belong to one "
                         "fully_shard group only: shard the modules that share it together "
                         "(e.g. apply fully_shard to their common parent, or pass them as one "
                         "list to fully_shard)"

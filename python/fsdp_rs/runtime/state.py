@@ -92,20 +92,24 @@ class FSDPState:
             for module in root.modules():
                 state = getattr(module, "_fsdp_rs_state", None)
                 if state is not None and id(state) not in seen:
-                    if state.context is not None and state is not self:
-                        raise RuntimeError(
-                            "fsdp_rs: a fully_shard module under this root already ran forward "
-                            "as its own root; run forward on the outermost module first"
-                        )
                     seen.add(id(state))
                     states.append(state)
+        for state in states:
+            if state.group is not None:
+                state.group.adopt_registered()
+                if state.group.sharded.is_meta:
+                    raise RuntimeError(
+                        "fsdp_rs: parameters are still on the meta device; materialize them "
+                        "before forward: model.to_empty(device=...) then reset_parameters() on "
+                        "each module, or load a checkpoint"
+                    )
         context = Context(states)
         for state in states:
             state.context = context
+            state.is_root = state is self
             if state.group is not None:
                 raf = state.reshard_after_forward_arg
                 state.group.reshard_after_forward = (state is not self) if raf is None else raf
-                state.group.adopt_registered()
 
     # --------------------------------------------------------------- forward
 

@@ -1,0 +1,171 @@
+"""fully_shard in one process: API surface, state machine, state dict, meta
+init and bad input. A world-size-1 gloo group makes collectives real (and
+trivial); a fake process group (W = 2) checks the metadata other ranks see."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_rs
+from fsdp_rs import FSDPModule, fully_shard
+from fsdp_rs.runtime.param_group import ShardedState
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gloo1():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake2():
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def shard(model: nn.Module, **kwargs) -> nn.Module:
+    fully_shard(model[0], **kwargs)
+    fully_shard(model[2], **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def test_class_swap_and_dtensor_params(fake2):
+    model = shard(mlp())
+    assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPSequential"
+    assert isinstance(model[0], nn.Linear) and isinstance(model[0], FSDPModule)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),)
+    # rank 1 of 2 holds rows [4, 7) of a 7-row weight: 3 rows, as torch.chunk gives
+    assert model[0].weight.to_local().shape == (3, 5)
+    assert model[0].weight.shape == (7, 5)
+    assert model[2].weight.to_local().shape == (1, 7)
+
+
+def test_unshard_reshard_and_state_dict_round_trip(gloo1):
+    reference = mlp()
+    model = shard(mlp())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), reference.get_parameter(name))
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    group = model[0]._state.group
+    assert group.state == ShardedState.UNSHARDED
+    assert not isinstance(model[0].weight, DTensor)
+    assert torch.equal(model[0].weight, reference[0].weight)
+    model[0].reshard()
+    assert group.state == ShardedState.SHARDED and isinstance(model[0].weight, DTensor)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(isinstance(v, DTensor) for v in state.values())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(state)
+    # load_state_dict copies into the existing DTensors: the group buffer
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), reference.get_parameter(name))
+    assert torch.equal(model(torch.ones(2, 5)), reference(torch.ones(2, 5)))
+
+
+def test_meta_init_then_to_empty_and_reset(gloo1):
+    with torch.device("meta"):
+        model = mlp()
+    shard(model)
+    with pytest.raises(RuntimeError, match="meta device"):
+        model(torch.ones(2, 5))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    reference = mlp()
+    out = model(torch.ones(2, 5))
+    assert torch.equal(out, reference(torch.ones(2, 5)))
+    out.sum().backward()
+    for p in model.parameters():
+        assert isinstance(p.grad, DTensor)
+
+
+def test_load_state_dict_assign(gloo1):
+    reference = mlp()
+    model = shard(mlp())
+    other = shard(mlp())
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(2)
+    model.load_state_dict(other.state_dict(), assign=True)
+    out = model(torch.ones(1, 5))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(2)
+    assert torch.equal(out, reference(torch.ones(1, 5)))
+
+
+def test_setters_reach_every_group(fake2):
+    model = shard(mlp())
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    model.set_gradient_divide_factor(3.0)
+    groups = [m._state.group for m in (model[0], model[2])]
+    assert all(not g.reduce_grads and not g.reshard_after_backward for g in groups)
+    assert all(g.gradient_divide_factor == 3.0 for g in groups)
+    model[0].set_modules_to_forward_prefetch([model[2]])
+    with pytest.raises(ValueError, match="not a fully_shard module"):
+        model[0].set_modules_to_backward_prefetch([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="takes a bool"):
+        model.set_reshard_after_forward(2)
+
+
+def test_bad_input(fake2):
+    model = shard(mlp())
+    with pytest.raises(ValueError, match="already passed to fully_shard"):
+        fully_shard(model[0])
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        fully_shard(nn.Linear(2, 2), mesh="cpu")
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(torch.randn(4, 4).t())
+    with pytest.raises(ValueError, match="not contiguous"):
+        fully_shard(lin)
+    with pytest.raises(ValueError, match="must divide the shard world size 2"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=3)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    fully_shard(a)
+    with pytest.raises(ValueError, match="shared with the fully_shard group of Linear"):
+        fully_shard(b)
+    mixed = nn.Linear(3, 3)
+    with torch.device("meta"):
+        mixed.bias = nn.Parameter(torch.empty(3))
+    with pytest.raises(ValueError, match="different devices"):
+        fully_shard(mixed)
+    with pytest.raises(NotImplementedError, match="dim 0 only"):
+        fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1))
+    scalar = nn.Module()
+    scalar.s = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="0-dim"):
+        fully_shard(scalar)
+
+
+def test_public_names():
+    for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+                 "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method"):  # fmt: skip
+        assert getattr(fsdp_rs, name) is not None
