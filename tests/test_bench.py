@@ -297,3 +297,227 @@ def test_million_shapes_are_fast() -> None:
     s = make_shapes(1_000_000, 8)
     assert s.num_params == 1_000_000
     assert time.perf_counter() - start < 2.0
+
+
+# ----------------------------------------------------------------------------- copy
+
+COPY_RECORD_TYPES = {
+    "case": str,
+    "case_name": str,
+    "op": str,
+    "device": str,
+    "device_name": str,
+    "world_size": int,
+    "n_params": int,
+    "total_elements": int,
+    "orig_dtype": str,
+    "param_dtype": str,
+    "reduce_dtype": str,
+    "divide_factor": float,
+    "scale": float,
+    "repeat": int,
+    "bytes": int,
+    "fsdp_rs_s": float,
+    "torch_s": float,
+    "copy_s": float,
+    "fsdp_rs_gbps": float,
+    "speedup": float,
+    "frac_of_copy": float,
+    "outputs_equal": bool,
+    "torch_impl": str,
+    "torch_version": str,
+}
+TINY = ["--device", "cpu", "--repeat", "1"]
+
+
+def _copy(argv: list[str]) -> int:
+    return cli.main(["copy", *argv])
+
+
+def _copy_module():
+    from fsdp_rs.bench import copy
+
+    return copy
+
+
+def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
+    copy = _copy_module()
+    out_json, out_png = tmp_path / "copy.json", tmp_path / "copy.png"
+    argv = [*TINY, "--world-size", "4", "--scale", "0.002"]
+    assert _copy([*argv, "--json", str(out_json), "--plot", str(out_png)]) == 0
+
+    records = json.loads(out_json.read_text())
+    assert [(r["case"], r["op"]) for r in records] == [
+        (case, op) for case in "abcd" for op in copy.OPS
+    ]
+    for r in records:
+        for key, typ in COPY_RECORD_TYPES.items():
+            assert isinstance(r[key], typ), (key, r[key])
+        assert r["outputs_equal"] is True, (r["case"], r["op"])
+        assert (r["device"], r["world_size"], r["scale"]) == ("cpu", 4, 0.002)
+        assert (r["orig_dtype"], r["param_dtype"], r["reduce_dtype"]) == (
+            "float32",
+            "bfloat16",
+            "float32",
+        )
+        assert r["divide_factor"] == 1.0
+        assert r["n_params"] == len(copy.make_case(r["case"], 0.002).shapes)
+        assert min(r["fsdp_rs_s"], r["torch_s"], r["copy_s"]) > 0
+        assert r["speedup"] == pytest.approx(r["torch_s"] / r["fsdp_rs_s"])
+        assert r["frac_of_copy"] == pytest.approx(r["copy_s"] / r["fsdp_rs_s"])
+        assert r["fsdp_rs_gbps"] == pytest.approx(r["bytes"] / r["fsdp_rs_s"] / 1e9)
+        s, w = r["row_numel"], r["world_size"]
+        expected_bytes = {
+            "all_gather_copy_in": s * (4 + 2),
+            "all_gather_copy_out": 2 * w * s * 2,
+            "reduce_scatter_copy_in": r["total_elements"] * 2 + w * s * 4,
+            "post_reduce": s * (4 + 4),
+            "post_reduce_accumulate": s * (4 + 4 + 4),
+        }
+        assert r["bytes"] == expected_bytes[r["op"]]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    stdout = capsys.readouterr().out
+    for text in ("frac of copy", "speedup", "scale 0.002", "param bfloat16", "CPU impls"):
+        assert text in stdout
+    assert stdout.count("reduce_scatter_copy_in") == 4
+
+
+def test_copy_fp16_reduce_divides(tmp_path: Path) -> None:
+    """A float16 reduction pre- and post-divides on both sides, and the results agree."""
+    out_json = tmp_path / "copy.json"
+    argv = [*TINY, "--case", "c", "--case", "a", "--scale", "0.001", "--dtypes", "fp32,fp16,fp16"]
+    assert _copy([*argv, "--json", str(out_json)]) == 0
+    records = json.loads(out_json.read_text())
+    assert [r["case"] for r in records[::5]] == ["c", "a"]
+    factors = {r["op"]: r["divide_factor"] for r in records}
+    assert factors["reduce_scatter_copy_in"] == 4.0 and factors["post_reduce"] == 2.0
+    assert all(r["outputs_equal"] for r in records)
+    assert all(r["reduce_dtype"] == "float16" for r in records)
+    assert "div_" in records[2]["torch_impl"]
+
+
+def test_copy_default_scale_and_device(monkeypatch, tmp_path: Path, capsys) -> None:
+    import torch
+
+    copy = _copy_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(copy, "CPU_DEFAULT_SCALE", 0.001)
+    out_json = tmp_path / "copy.json"
+    assert _copy(["--case", "d", "--repeat", "1", "--dtypes", "bf16", "--json", str(out_json)]) == 0
+    records = json.loads(out_json.read_text())
+    assert {(r["device"], r["scale"], r["param_dtype"]) for r in records} == {
+        ("cpu", 0.001, "bfloat16")
+    }
+    assert "scale 0.001" in capsys.readouterr().out
+
+
+def test_copy_mismatch_exits_nonzero(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(_copy_module(), "_same", lambda a, b: False)
+    assert _copy([*TINY, "--case", "c", "--scale", "0.001"]) == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH" in err and "differ" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--case", "e"],
+        ["--scale", "0"],
+        ["--scale", "1.5"],
+        ["--scale", "abc"],
+        ["--dtypes", "fp64"],
+        ["--dtypes", "fp32,bf16"],
+        ["--world-size", "0"],
+        ["--repeat", "0"],
+        ["--device", "tpu"],
+    ],
+)
+def test_copy_bad_input_is_argparse_error(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _copy(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_copy_cuda_unavailable_or_no_matplotlib(monkeypatch, tmp_path: Path, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        _copy(["--device", "cuda"])
+    assert exc.value.code == 2 and "CUDA" in capsys.readouterr().err
+
+    monkeypatch.setattr(report, "matplotlib_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        _copy([*TINY, "--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2 and "pip install matplotlib" in capsys.readouterr().err
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.plot_copy_speedups([], tmp_path / "p.png")
+
+
+def test_copy_cases(capsys) -> None:
+    copy = _copy_module()
+    assert cli.COPY_CASES == tuple(copy.CASES)
+    with pytest.raises(SystemExit):
+        cli.main(["copy", "--help"])
+    assert f"1/{round(1 / copy.CPU_DEFAULT_SCALE)}" in capsys.readouterr().out
+    full = {key: copy.make_case(key) for key in copy.CASES}
+    assert full["a"].shapes == ((8192, 8192),) * 8 and full["a"].numel == 8 * 2**26
+    assert len(full["b"].shapes) == 9 and full["b"].numel == 4 * 4096**2 + 3 * 11008 * 4096 + 8192
+    assert full["c"].shapes == ((4096,),) * 10_000
+    assert len(full["d"].shapes) == 6_000 and full["d"].numel * 4 < 2**30  # fp32 under 1 GiB
+    assert copy.make_case("a", 1 / 64).shapes[0] == (128, 8192)
+    assert copy.make_case("b", 1 / 64).shapes[:2] == ((64,), (64, 4096))
+    assert len(copy.make_case("c", 1e-3).shapes) == 100
+    assert len(copy.make_case("d", 1e-3).shapes) == 102
+    for bad in ({"key": "e"}, {"key": "a", "scale": 0}, {"key": "a", "scale": 2}):
+        with pytest.raises(ValueError):
+            copy.make_case(**bad)
+
+
+def test_fsdp2_divide_factors_match_torch() -> None:
+    import torch
+
+    copy = _copy_module()
+    collectives = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    torch_factors = getattr(collectives, "_get_gradient_divide_factors", None)
+    if torch_factors is None:
+        pytest.skip("torch has no _get_gradient_divide_factors")
+
+    class Group:
+        def __init__(self, size: int) -> None:
+            self._size = size
+
+        def size(self) -> int:
+            return self._size
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for w in (1, 2, 3, 6, 8, 12, 64, 96):
+            pre, post, *_ = torch_factors(Group(w), None, dtype, "cuda")
+            assert copy.fsdp2_divide_factors(dtype, w) == (pre or 1.0, post or 1.0), (dtype, w)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_copy_cuda(tmp_path: Path) -> None:
+    out_json = tmp_path / "copy.json"
+    assert (
+        _copy(["--device", "cuda", "--scale", "0.01", "--repeat", "3", "--json", str(out_json)])
+        == 0
+    )
+    records = json.loads(out_json.read_text())
+    assert len(records) == 20 and all(r["outputs_equal"] for r in records)
+    assert all(r["device"] == "cuda" for r in records)
+
+
+def test_time_call_without_collect(monkeypatch) -> None:
+    import gc
+
+    def no_collect() -> None:
+        raise AssertionError("collect=False must not run gc.collect")
+
+    monkeypatch.setattr(gc, "collect", no_collect)
+    timing, result = time_call(lambda: 7, repeat=2, warmup=1, collect=False)
+    assert result == 7 and len(timing.seconds) == 2 and gc.isenabled()

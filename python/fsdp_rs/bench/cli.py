@@ -17,6 +17,17 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PARAMS = (1_000, 10_000, 100_000, 1_000_000)
 DEFAULT_WORLD_SIZE = 8
 DEFAULT_REPEAT = 5
+COPY_CASES = ("a", "b", "c", "d")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
+COPY_DEFAULT_DTYPES = "fp32,bf16,fp32"
+COPY_CUDA_REPEAT = 50
+DTYPE_NAMES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def positive_int(text: str) -> int:
@@ -44,6 +55,35 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def scale_fraction(text: str) -> float:
+    """A float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def dtype_triple(text: str) -> tuple[str, str, str]:
+    """``ORIG,PARAM,REDUCE`` (or one name for all three) as torch dtype names."""
+    names = [n.strip().lower() for n in text.split(",")]
+    if len(names) == 1:
+        names *= 3
+    if len(names) != 3:
+        raise argparse.ArgumentTypeError(
+            f"expected ORIG,PARAM,REDUCE (e.g. {COPY_DEFAULT_DTYPES}), got {text!r}"
+        )
+    unknown = [n for n in names if n not in DTYPE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {unknown[0]!r}; choose from fp32, bf16, fp16"
+        )
+    orig, param, reduce = (DTYPE_NAMES[n] for n in names)
+    return orig, param, reduce
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -152,6 +192,122 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_copy(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "copy",
+        help="time the fsdp-rs copy ops against FSDP2's torch copies",
+        description=(
+            "Time torch.ops.fsdp_rs all_gather_copy_in, all_gather_copy_out, "
+            "reduce_scatter_copy_in and post_reduce (assign and accumulate) against the "
+            "torch copies FSDP2 does for the same step and a plain copy_ of the same bytes, "
+            "on four parameter groups: (a) 8 x 64M elements, (b) a 7B transformer layer, "
+            "(c) 10,000 x 4096 elements, (d) 2,000 MoE experts x 3 matrices. On CPU the "
+            "fsdp-rs ops run their plain-torch CPU impls. Exits 1 if any output differs "
+            "from torch's."
+        ),
+    )
+    p.add_argument(
+        "--world-size",
+        metavar="W",
+        type=positive_int,
+        default=DEFAULT_WORLD_SIZE,
+        help=f"data-parallel world size (default: {DEFAULT_WORLD_SIZE})",
+    )
+    p.add_argument(
+        "--case",
+        choices=COPY_CASES,
+        action="append",
+        help="parameter group; repeat for several (default: a b c d)",
+    )
+    p.add_argument(
+        "--dtypes",
+        metavar="ORIG,PARAM,REDUCE",
+        type=dtype_triple,
+        default=dtype_triple(COPY_DEFAULT_DTYPES),
+        help=(
+            "mixed precision: orig (sharded param), param (all-gather) and reduce dtypes, "
+            f"each fp32, bf16 or fp16 (default: {COPY_DEFAULT_DTYPES})"
+        ),
+    )
+    p.add_argument(
+        "--scale",
+        metavar="F",
+        type=scale_fraction,
+        help=(
+            "in (0, 1]: shrink dim 0 of every param (cases a, b) or the number of params "
+            "(c, d, never below 100) (default: 1 on CUDA, 1/32 on CPU)"
+        ),
+    )
+    p.add_argument(
+        "--repeat",
+        metavar="K",
+        type=positive_int,
+        help=(
+            f"timed calls per measurement; the median is reported (default: {DEFAULT_REPEAT} "
+            f"on CPU, {COPY_CUDA_REPEAT} on CUDA)"
+        ),
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="device to run on (default: cuda if available, else cpu)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="write a bar chart of speedup per case/op (PNG)")
+    p.set_defaults(run=_run_copy, parser=p)
+
+
+def _run_copy(args: argparse.Namespace) -> int:
+    import torch
+
+    from fsdp_rs.bench import copy, report
+    from fsdp_rs.bench.plan import environment
+
+    if args.plot and not report.matplotlib_available():
+        args.parser.error(report.MATPLOTLIB_HINT)
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        args.parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    on_cpu = device.type == "cpu"
+    scale = args.scale if args.scale is not None else (copy.CPU_DEFAULT_SCALE if on_cpu else 1.0)
+    repeat = args.repeat or (DEFAULT_REPEAT if on_cpu else COPY_CUDA_REPEAT)
+    dtypes = copy.Dtypes.from_names(args.dtypes)
+
+    print(
+        f"copy ops on {device.type} ({copy.device_name(device)}), W={args.world_size}, "
+        f"rank 0, dtypes: {dtypes}, scale {scale:g}, median of {repeat} calls"
+    )
+    if on_cpu:
+        print("CPU: the fsdp-rs ops run their plain-torch CPU impls (not the Triton kernels)")
+    env = environment()
+    records = []
+    for key in args.case or COPY_CASES:
+        case = copy.make_case(key, scale)
+        print(
+            f"  ({key}) {case.name}: {len(case.shapes)} params, {case.numel:.3e} elements",
+            flush=True,
+        )
+        for record in copy.bench_case(case, dtypes, args.world_size, device, repeat):
+            if not record["outputs_equal"]:
+                print(f"  MISMATCH case {key} {record['op']}: fsdp-rs != torch", file=sys.stderr)
+            records.append({**record, "scale": scale, **env})
+
+    print(report.copy_table(records))
+    if args.json:
+        report.write_json(records, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        report.plot_copy_speedups(records, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+    mismatched = [f"{r['case']}:{r['op']}" for r in records if not r["outputs_equal"]]
+    if mismatched:
+        print(f"error: fsdp-rs and torch outputs differ for {mismatched}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_rs.bench",
@@ -160,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_plan(subparsers)
+    _add_copy(subparsers)
     return parser
 
 

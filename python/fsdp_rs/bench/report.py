@@ -1,4 +1,4 @@
-"""Output of benchmark records: text tables, JSON, and a log-log plot (matplotlib, lazily)."""
+"""Output of benchmark records: text tables, JSON, and plots (matplotlib, lazily)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any
 
 __all__ = [
     "MATPLOTLIB_HINT",
+    "copy_table",
     "format_table",
     "matplotlib_available",
     "plan_tables",
+    "plot_copy_speedups",
     "plot_plan_times",
     "write_json",
 ]
@@ -97,6 +99,38 @@ def plan_tables(records: Sequence[Record]) -> str:
     return "\n".join(parts).rstrip("\n")
 
 
+_COPY_HEADERS = (
+    "case",
+    "op",
+    "n_params",
+    "MB moved",
+    "fsdp-rs ms",
+    "GB/s",
+    "frac of copy",
+    "torch ms",
+    "speedup",
+)
+
+
+def copy_table(records: Sequence[Record]) -> str:
+    """One row per (case, op) of the ``copy`` benchmark."""
+    rows = [
+        [
+            r["case"],
+            r["op"],
+            _fmt(r["n_params"], "d"),
+            _fmt(r["bytes"] / 1e6, ".1f"),
+            _fmt(_ms(r["fsdp_rs_s"]), ".3f"),
+            _fmt(r["fsdp_rs_gbps"], ".1f"),
+            _fmt(r["frac_of_copy"], ".2f"),
+            _fmt(_ms(r["torch_s"]), ".3f"),
+            _fmt(r["speedup"], ".2f"),
+        ]
+        for r in records
+    ]
+    return format_table(_COPY_HEADERS, rows)
+
+
 def write_json(records: Sequence[Record], path: str | Path) -> None:
     """A JSON list of the records (strict JSON: no NaN or Infinity)."""
     text = json.dumps(list(records), indent=2, allow_nan=False)
@@ -107,19 +141,55 @@ def matplotlib_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def plot_plan_times(records: Sequence[Record], path: str | Path) -> None:
-    """Log-log seconds per plan against ``n_params``, fsdp-rs vs reference, per world size.
-
-    Draws with matplotlib's Agg canvas directly (no pyplot, no global backend).
-    """
+def _agg_figure(figsize: tuple[float, float]) -> Any:
+    """A matplotlib Figure on an Agg canvas (no pyplot, no global backend)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError(MATPLOTLIB_HINT) from e
-
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = Figure(figsize=figsize, layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_copy_speedups(records: Sequence[Record], path: str | Path) -> None:
+    """Bars of the ``copy`` benchmark's speedup over torch, grouped by case, one bar per op."""
+    fig = _agg_figure((8, 4.5))
+    ax = fig.add_subplot()
+    cases = list(dict.fromkeys(r["case"] for r in records))
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    width = 0.8 / max(len(ops), 1)
+    for j, op in enumerate(ops):
+        points = [
+            (cases.index(r["case"]) + (j - (len(ops) - 1) / 2) * width, r["speedup"])
+            for r in records
+            if r["op"] == op and r["speedup"] is not None
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.bar(xs, ys, width=width, label=op, color=f"C{j}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_yscale("log")
+    ax.set_xlabel("case")
+    ax.set_ylabel("speedup over torch (torch s / fsdp-rs s)")
+    title = "fsdp-rs copy ops vs FSDP2's torch copies"
+    if records:
+        r = records[0]
+        title += f" ({r['device']}, W={r['world_size']})"
+    ax.set_title(title)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def plot_plan_times(records: Sequence[Record], path: str | Path) -> None:
+    """Log-log seconds per plan against ``n_params``, fsdp-rs vs reference, per world size.
+
+    Draws with matplotlib's Agg canvas directly (no pyplot, no global backend).
+    """
+    fig = _agg_figure((7, 4.5))
     ax = fig.add_subplot()
     series = (
         ("fsdp-rs plan_group", "fsdp_rs_s", "C0", "-"),

@@ -1,4 +1,5 @@
-"""Wall-clock timing of repeated calls (``time.perf_counter``, GC paused as in ``timeit``)."""
+"""Timing of repeated calls: wall clock (``time.perf_counter``, GC paused as in
+``timeit``) or, for CUDA work, CUDA events with the L2 cache flushed between calls."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Timing", "time_call"]
+__all__ = ["L2_FLUSH_BYTES", "Timing", "time_call", "time_cuda"]
 
 T = TypeVar("T")
+
+L2_FLUSH_BYTES = 256 * 2**20
+"""Bytes zeroed before each CUDA-timed call: larger than any current GPU's L2 cache."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,16 @@ class Timing:
         return statistics.median(self.seconds)
 
 
-def time_call(fn: Callable[[], T], repeat: int, warmup: int = 0) -> tuple[Timing, T]:
+def time_call(
+    fn: Callable[[], T], repeat: int, warmup: int = 0, *, collect: bool = True
+) -> tuple[Timing, T]:
     """Call ``fn`` ``warmup`` times untimed, then ``repeat`` times timed.
 
     Returns the timings and the last call's result. The garbage collector is
     paused around each timed call so a collection triggered by earlier
-    allocations does not land inside one measurement.
+    allocations does not land inside one measurement; with ``collect`` it also
+    runs a full collection before each (about 0.1 s once torch is imported, so
+    pass False for calls that allocate few Python objects).
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
@@ -46,7 +54,8 @@ def time_call(fn: Callable[[], T], repeat: int, warmup: int = 0) -> tuple[Timing
     try:
         for _ in range(repeat):
             del result  # free the previous plan before timing the next one
-            gc.collect()
+            if collect:
+                gc.collect()
             gc.disable()
             start = time.perf_counter()
             result = fn()
@@ -57,3 +66,37 @@ def time_call(fn: Callable[[], T], repeat: int, warmup: int = 0) -> tuple[Timing
         if gc_was_enabled:
             gc.enable()
     return Timing(tuple(seconds)), result
+
+
+def time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 3) -> Timing:
+    """Call ``fn`` ``warmup`` times, then time ``repeat`` calls with CUDA events.
+
+    Like ``triton.testing.do_bench``, a memset of ``L2_FLUSH_BYTES`` before each
+    call evicts the L2 cache, so bandwidths are from device memory. Host time
+    spent launching counts whenever it keeps the device waiting.
+    """
+    import torch
+
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeat)
+    ]
+    torch.cuda.synchronize()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return Timing(tuple(start.elapsed_time(end) / 1e3 for start, end in events))
