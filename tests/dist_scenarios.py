@@ -20,39 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_rs.demo import Transformer
+
 STEPS = 5
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int = 2) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class Transformer(nn.Module):
-    """A small decoder with weight tying (the output projection is the embedding)."""
-
-    def __init__(self, vocab: int = 37, dim: int = 12, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(self.norm(x))
 
 
 def mlp(dims=(16, 33, 7, 13, 5)) -> nn.Sequential:
@@ -100,7 +70,7 @@ SCENARIOS: dict[str, dict] = {
 def _build(spec: dict) -> nn.Module:
     torch.manual_seed(0)
     if spec.get("model") == "transformer":
-        return Transformer()
+        return Transformer(vocab=37, dim=12, layers=2, heads=2)  # weight-tied
     return mlp(spec.get("dims", (16, 33, 7, 13, 5)))
 
 
