@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
-__all__ = ["TL_DTYPES", "cdiv", "jit", "require_triton", "tl", "triton"]
+__all__ = ["TL_DTYPES", "cdiv", "jit", "pointer_table", "require_triton", "tl", "triton"]
 
 
 def require_triton() -> None:
@@ -41,6 +41,16 @@ def jit(fn: Any) -> Any:
             require_triton()
 
     return _Missing()
+
+
+def pointer_table(
+    entries: list[tuple[int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(address, numel) pairs as two contiguous int64 columns on ``device``, in one
+    upload; see [Note: Pointer tables] in reduce_scatter_copy_in.py."""
+    table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
+    table = table.to(device, non_blocking=True)
+    return table[0], table[1]
 
 
 def cdiv(a: int, b: int) -> int:

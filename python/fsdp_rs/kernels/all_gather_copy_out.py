@@ -22,7 +22,7 @@ import torch
 
 from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
 from fsdp_rs.kernels._segments import segment_columns
-from fsdp_rs.kernels._triton import TL_DTYPES, jit, require_triton, tl
+from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
 __all__ = [
     "check_all_gather_copy_out",
@@ -183,11 +183,9 @@ def triton_all_gather_copy_out(
         return
     per_param = len(out) > 1
     if per_param:
-        # [Note: Pointer tables] in reduce_scatter_copy_in.py.
-        table = torch.tensor([(t.data_ptr(), t.numel()) for t in out], dtype=torch.int64).to(
-            all_gather_output.device, non_blocking=True
+        dst_ptrs, dst_numel = pointer_table(
+            [(t.data_ptr(), t.numel()) for t in out], all_gather_output.device
         )
-        dst_ptrs, dst_numel = table[:, 0].contiguous(), table[:, 1].contiguous()
     else:
         dst_ptrs = dst_numel = row_offsets  # unused
     _copy_out_kernel[(num_tiles, world_size)](

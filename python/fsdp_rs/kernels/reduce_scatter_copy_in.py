@@ -34,7 +34,7 @@ from fsdp_rs.kernels._checks import (
     check_tile_table,
 )
 from fsdp_rs.kernels._segments import segment_columns
-from fsdp_rs.kernels._triton import TL_DTYPES, jit, require_triton, tl
+from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
 __all__ = [
     "check_reduce_scatter_copy_in",
@@ -226,11 +226,11 @@ def triton_reduce_scatter_copy_in(
             g = g.contiguous()
             keep_alive.append(g)
         entries.append((g.data_ptr(), g.numel()))
-    table = torch.tensor(entries, dtype=torch.int64).to(device, non_blocking=True)
+    grad_ptrs, grad_numel = pointer_table(entries, device)
     inv = float(np.float32(1.0) / np.float32(divide_factor))
     _rs_copy_in_kernel[(num_tiles, world_size)](
-        table[:, 0].contiguous(),
-        table[:, 1].contiguous(),
+        grad_ptrs,
+        grad_numel,
         reduce_scatter_input,
         row_offsets,
         padded_numel,
