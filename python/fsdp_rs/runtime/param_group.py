@@ -9,6 +9,7 @@ work is reading the gradients autograd hands over and the C-level swaps of
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 from collections.abc import Sequence
 
@@ -57,7 +58,9 @@ def _post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     return mine
 
 
-def _alias(storage, like: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+def _alias(
+    storage, like: torch.Tensor, offset: int, shape: torch.Size, stride: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor over ``storage`` with a version counter of its own.
 
     [Note: Unsharded parameter versions]
@@ -67,14 +70,14 @@ def _alias(storage, like: torch.Tensor, offset: int, shape: torch.Size) -> torch
     bump every parameter's version and fail that check. Aliasing the storage with
     ``set_`` gives each parameter an independent counter; the buffer tensor the
     copy-out writes keeps its own."""
-    stride = torch.empty(shape, device="meta").stride()
     return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
 
 
-def _dtensor(local: torch.Tensor, info: MeshInfo, shape: torch.Size) -> DTensor:
+def _dtensor(
+    local: torch.Tensor, info: MeshInfo, shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
     """A DTensor over ``local`` (no copy, not differentiable); cheaper than
     ``DTensor.from_local``, which goes through autograd."""
-    stride = torch.empty(shape, device="meta").stride()
     spec = DTensorSpec(
         info.mesh, info.placements, tensor_meta=TensorMeta(shape, stride, local.dtype)
     )
@@ -117,6 +120,9 @@ class FSDPParamGroup:
             post_forward_world_size=post_forward_size,
         )
         self.tables = GroupTables.from_plan(self.plan, self.device)
+        # Contiguous strides are those of the full, padded and sharded shapes alike.
+        self.strides = self._per_param(self.plan.contiguous_strides)
+        self._sharded_sizes = self._per_param(self.plan.sharded_sizes)
         self.post_forward_group = (
             _post_forward_group(info, post_forward_size)
             if post_forward_size not in (None, 1, info.shard_size)
@@ -128,7 +134,6 @@ class FSDPParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
-        self.is_last_backward = True
         self.gradient_divide_factor: float | None = None
         self.all_reduce_hook = None
         self.force_sum_reduction = False
@@ -136,6 +141,8 @@ class FSDPParamGroup:
         self.post_backward_done = False
         self._pending_unshard = None  # (work, all-gather output) of an async unshard
         self._post_forward_rows: torch.Tensor | None = None
+        # (all-gather output, first row, rows) this rank keeps at a post-forward reshard
+        self._ag_rows: tuple[torch.Tensor, int, int] | None = None
         self._accumulated: list[torch.Tensor | None] | None = None
         self._partial_reduce: torch.Tensor | None = None
         self._build_sharded(params)
@@ -223,25 +230,27 @@ class FSDPParamGroup:
         OPS.reduce_scatter_copy_in(full, rows, *tables.reduce_scatter_args())
         self.sharded.copy_(rows[self.info.shard_rank])
 
+    def _per_param(self, table) -> list[tuple[int, ...]]:
+        """Split a concatenated per-dim plan table into one tuple per param."""
+        flat, bounds = table.tolist(), self.plan.dim_offsets.tolist()
+        return [tuple(flat[a:b]) for a, b in itertools.pairwise(bounds)]
+
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        plan = self.plan
-        views = []
-        offsets = plan.row_offsets.tolist()
-        sizes = plan.sharded_sizes.tolist()
-        dim_offsets = plan.dim_offsets.tolist()
-        numels = plan.sharded_numel.tolist()
-        for i, off in enumerate(offsets):
-            size = sizes[dim_offsets[i] : dim_offsets[i + 1]]
-            views.append(buffer[off : off + numels[i]].view(size))
-        return views
+        """This rank's shard of every param, viewed in a row-layout buffer."""
+        offsets = self.plan.row_offsets.tolist()
+        numels = self.plan.sharded_numel.tolist()
+        return [
+            buffer[off : off + numel].view(size)
+            for off, numel, size in zip(offsets, numels, self._sharded_sizes, strict=True)
+        ]
 
     def _make_sharded_params(self, requires_grad: list[bool]) -> None:
         info = self.info
         self.sharded_params: list[nn.Parameter] = []
-        for local, shape, rg in zip(
-            self._local_views(self.sharded), self.shapes, requires_grad, strict=True
+        for local, shape, stride, rg in zip(
+            self._local_views(self.sharded), self.shapes, self.strides, requires_grad, strict=True
         ):
-            dt = _dtensor(local, info, shape)
+            dt = _dtensor(local, info, shape, stride)
             self.sharded_params.append(nn.Parameter(dt, requires_grad=rg))
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
@@ -284,8 +293,10 @@ class FSDPParamGroup:
         offsets = plan.unsharded_offsets.tolist()
         storage = self.unsharded.untyped_storage()
         self.unsharded_params = [
-            nn.Parameter(_alias(storage, self.unsharded, off, s), requires_grad=rg)
-            for off, s, rg in zip(offsets, self.shapes, self.requires_grad, strict=True)
+            nn.Parameter(_alias(storage, self.unsharded, off, s, st), requires_grad=rg)
+            for off, s, st, rg in zip(
+                offsets, self.shapes, self.strides, self.requires_grad, strict=True
+            )
         ]
         self._unsharded_with_grad = [p for p in self.unsharded_params if p.requires_grad]
         self._free_unsharded()
@@ -445,13 +456,10 @@ class FSDPParamGroup:
         parameter that got a gradient has a ``.grad`` view of it."""
         if self._grad_views is None:
             self.grad_buffer = torch.zeros_like(self.sharded)
+            views = self._local_views(self.grad_buffer)
             self._grad_views = [
-                _dtensor(local, self.info, p.shape)
-                for local, p in zip(
-                    [self._local_views(self.grad_buffer)[i] for i in self._grad_index],
-                    self._grad_params,
-                    strict=True,
-                )
+                _dtensor(views[i], self.info, self.shapes[i], self.strides[i])
+                for i in self._grad_index
             ]
         if output.device != self.grad_buffer.device:
             output = output.to(self.grad_buffer.device)

@@ -48,7 +48,6 @@ class ManagedParams:
         self.slot_dicts: list[dict] = []
         self.slot_names: list[str] = []
         self.slot_index: list[int] = []
-        self.index = {id(p): i for i, p in enumerate(params)}
 
     def add_slot(self, module: nn.Module, name: str, index: int) -> None:
         self.slot_dicts.append(module._parameters)

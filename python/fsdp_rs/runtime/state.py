@@ -85,7 +85,6 @@ class FSDPState:
         """See [Note: Root and lazy init]."""
         if self.context is not None:
             return
-        self.is_root = True
         states: list[FSDPState] = []
         seen: set[int] = set()
         for root in self.modules:
