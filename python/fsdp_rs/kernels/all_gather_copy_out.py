@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
+from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._segments import segment_columns
 from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
@@ -90,21 +91,25 @@ def torch_all_gather_copy_out(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
 ) -> None:
-    """Reference: gathers the params' row segments with one index per element and
-    scatters them rank by rank, with no loop over params (the tile table is
-    only checked). Per-param outputs are filled by ``split_with_sizes_copy``."""
+    """Reference. Into the group buffer: one gather by a cached element index
+    ([Note: Cached CPU indices]), no loop over params or ranks (the tile table
+    is only checked). Per-param outputs are filled by ``split_with_sizes_copy``."""
     check_all_gather_copy_out(
         all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
         tile_param, tile_start, tile_len,
     )  # fmt: skip
-    world_size = all_gather_output.shape[0]
-    seg, pos, cols = segment_columns(row_offsets, padded_numel)
+    world_size, row_numel = all_gather_output.shape
     if len(out) == 1:
-        base = unsharded_offsets[seg] + pos
-        step = padded_numel[seg]
-        for rank in range(world_size):
-            out[0].index_copy_(0, base + rank * step, all_gather_output[rank, cols])
+        dst, src = copy_out_index(
+            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
+        )
+        flat = all_gather_output.view(-1)
+        if dst is None:
+            torch.index_select(flat, 0, src, out=out[0])
+        else:
+            out[0].scatter_(0, dst, flat.index_select(0, src))
         return
+    _, _, cols = segment_columns(row_offsets, padded_numel)
     for i, t in enumerate(out):
         if t.numel() % world_size:
             raise ValueError(

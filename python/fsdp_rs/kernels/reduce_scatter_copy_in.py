@@ -21,6 +21,9 @@ every read, so a wrong-sized gradient can never make the kernel read outside it.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,7 +36,7 @@ from fsdp_rs.kernels._checks import (
     check_table,
     check_tile_table,
 )
-from fsdp_rs.kernels._segments import segment_columns
+from fsdp_rs.kernels._cpu_index import reduce_scatter_flat_index, reduce_scatter_index
 from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
 __all__ = [
@@ -106,6 +109,84 @@ def _grad_dtype(grads: Sequence[torch.Tensor | None]) -> torch.dtype | None:
     return None
 
 
+def _check_grads(
+    grads: Sequence[torch.Tensor | None],
+    padded_numel: torch.Tensor,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> np.ndarray | None:
+    """Every gradient has ``dtype``, is on ``device`` and has the padded chunk the
+    plan expects. Vectorized (C-level ``map``s and NumPy); on a failure the
+    per-gradient loop finds the first offender and names it. Returns the
+    gradients' numels when none is None."""
+    present = list(itertools.filterfalse(_is_none, grads))
+    ok = True
+    numel = None
+    if present:
+        ok = set(map(_DTYPE, present)) == {dtype} and set(map(_DEVICE, present)) == {device}
+        count = len(present)
+        ok = ok and bool((np.fromiter(map(torch.Tensor.dim, present), np.int64, count) > 0).all())
+        if ok:
+            d0 = np.fromiter(map(_FIRST, map(_SHAPE, present)), np.int64, count)
+            numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, count)
+            chunk = -(-d0 // world_size) * (numel // np.maximum(d0, 1))
+            mask = np.fromiter(map(_is_none, grads), bool, len(grads)) ^ True
+            ok = np.array_equal(chunk, padded_numel.cpu().numpy()[mask])
+    if ok:
+        return numel if len(present) == len(grads) else None
+    for i, (g, n) in enumerate(zip(grads, padded_numel.tolist(), strict=True)):
+        if g is None:
+            continue
+        _check_grad(i, g, dtype, device)
+        d0 = g.shape[0] if g.dim() else 1
+        inner = g.numel() // d0 if d0 else 0
+        if g.dim() == 0 or -(-d0 // world_size) * inner != n:
+            raise ValueError(
+                f"{OP}: gradient {i} has shape {tuple(g.shape)}, whose padded chunk is not "
+                f"the plan's {n} elements for world size {world_size}; pass the gradient "
+                "of the unsharded param the plan was made for"
+            )
+
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_FIRST = operator.itemgetter(0)
+_is_none = functools.partial(operator.is_, None)  # `None in tensors` would call Tensor.__eq__
+_DEVICE = operator.attrgetter("device")
+
+
+def _chunk_cat_copy_in(
+    grads: Sequence[torch.Tensor | None],
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    """With some gradients None: ``torch._chunk_cat`` (what FSDP2 uses) packs the
+    chunks, zeros standing in for the missing ones; when the plan has alignment
+    gaps, one gather by a cached index moves them to their aligned segments."""
+    world_size, row_numel = reduce_scatter_input.shape
+    numels = padded_numel.tolist()
+    # torch._chunk_cat takes neither None nor empty tensors
+    chunks = [
+        g if g is not None else torch.zeros(world_size, n, dtype=dtype)
+        for g, n in zip(grads, numels, strict=True)
+        if n
+    ]
+    total = sum(numels)
+    if not chunks:
+        reduce_scatter_input.zero_()
+    elif total == row_numel:
+        torch._chunk_cat(chunks, 0, world_size, out=reduce_scatter_input)
+    else:
+        packed = reduce_scatter_input.new_empty(world_size * total + 1)
+        packed[-1] = 0
+        torch._chunk_cat(chunks, 0, world_size, out=packed[:-1].view(world_size, total))
+        index = reduce_scatter_index(row_offsets, padded_numel, world_size, row_numel)
+        torch.index_select(packed, 0, index, out=reduce_scatter_input.view(-1))
+
+
 def torch_reduce_scatter_copy_in(
     grads: Sequence[torch.Tensor | None],
     reduce_scatter_input: torch.Tensor,
@@ -116,41 +197,28 @@ def torch_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
 ) -> None:
-    """Reference: ``torch._chunk_cat`` (what FSDP2 uses) into the rows, moved to the
-    aligned segments when the plan has alignment gaps, then ``div_``."""
+    """Reference: the gradients flattened and concatenated, then one gather by a
+    cached index ([Note: Cached CPU indices]) writes every row, zeros included;
+    with some gradients None, ``torch._chunk_cat`` instead. Then ``div_``."""
     check_reduce_scatter_copy_in(
         grads, reduce_scatter_input, row_offsets, padded_numel,
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
-    chunks = []
-    for i, (g, n) in enumerate(zip(grads, padded_numel.tolist(), strict=True)):
-        if g is not None:
-            _check_grad(i, g, dtype, reduce_scatter_input.device)
-            d0 = g.shape[0] if g.dim() else 1
-            inner = g.numel() // d0 if d0 else 0
-            if g.dim() == 0 or -(-d0 // world_size) * inner != n:
-                raise ValueError(
-                    f"{OP}: gradient {i} has shape {tuple(g.shape)}, whose padded chunk is not "
-                    f"the plan's {n} elements for world size {world_size}; pass the gradient "
-                    "of the unsharded param the plan was made for"
-                )
-        if n == 0:
-            continue  # contributes nothing (torch._chunk_cat rejects empty tensors)
-        chunks.append(g if g is not None else torch.zeros(world_size, n, dtype=dtype))
-    total = int(padded_numel.sum())
-    dense = reduce_scatter_input if total == row_numel else None
-    if not chunks:
-        reduce_scatter_input.zero_()
+    numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
+    if numels is not None and len(grads):
+        # Every gradient present: flatten and concatenate them, then one gather
+        # by a cached index places chunks, padding and gaps.
+        flat = [*map(torch.flatten, grads), reduce_scatter_input.new_zeros(1, dtype=dtype)]
+        index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+        flat = torch.cat(flat)
+        if flat.dtype == reduce_scatter_input.dtype:
+            torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
+        else:
+            reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
     else:
-        packed = dense
-        if packed is None:
-            packed = reduce_scatter_input.new_empty(world_size, total)
-        torch._chunk_cat(chunks, 0, world_size, out=packed)
-        if dense is None:
-            reduce_scatter_input.zero_()
-            reduce_scatter_input[:, segment_columns(row_offsets, padded_numel)[2]] = packed
+        _chunk_cat_copy_in(grads, reduce_scatter_input, row_offsets, padded_numel, dtype)
     if divide_factor != 1.0:
         reduce_scatter_input.div_(divide_factor)
 

@@ -7,6 +7,7 @@ a list of shapes into the flat int64 arrays both take.
 """
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -24,7 +25,7 @@ __all__ = [
 
 def shapes_to_arrays(shapes: Iterable[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(ndims, dims)`` int64 arrays for a list of shapes (``torch.Size`` works)."""
-    shapes = [tuple(int(d) for d in s) for s in shapes]
-    ndims = np.fromiter((len(s) for s in shapes), dtype=np.int64, count=len(shapes))
-    dims = np.fromiter((d for s in shapes for d in s), dtype=np.int64, count=int(ndims.sum()))
+    shapes = shapes if isinstance(shapes, list | tuple) else list(shapes)
+    ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
+    dims = np.fromiter(chain.from_iterable(shapes), dtype=np.int64, count=int(ndims.sum()))
     return ndims, dims

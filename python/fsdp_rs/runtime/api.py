@@ -4,7 +4,9 @@ same names, arguments and semantics as torch FSDP2."""
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -20,13 +22,9 @@ from fsdp_rs.runtime.state import FSDPState
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
 _CLASS_CACHE: dict[type, type] = {}
+# The group that owns a parameter, as an attribute of the parameter: a weakref
+# registry would stop nn.Module._apply from swapping the (DTensor) parameters.
 _OWNER_ATTR = "_fsdp_rs_owner"
-
-
-def _owner_of(param: nn.Parameter) -> str | None:
-    # An attribute, not a weakref registry: weakrefs would stop nn.Module._apply
-    # from swapping the (DTensor) parameters in place.
-    return getattr(param, _OWNER_ATTR, None)
 
 
 def fully_shard(
@@ -64,7 +62,7 @@ def fully_shard(
         )
     info = mesh_info(mesh)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
-    managed = collect_params(modules, ignored_params or (), _owner_of)
+    managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
     if shard_placement_fn is not None:
         for fqn, p in zip(managed.fqns, managed.params, strict=True):
             placement = shard_placement_fn(p)
@@ -84,8 +82,8 @@ def fully_shard(
     if group is not None:
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # Both the original parameters and the sharded ones that replace them.
-        for p in (*managed.params, *group.sharded_params):
-            setattr(p, _OWNER_ATTR, desc)
+        owned = chain(managed.params, group.sharded_params)
+        deque(map(setattr, owned, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_rs_state = state

@@ -25,7 +25,7 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
 
-    @property
+    @cached_property
     def placements(self) -> tuple:
         if self.replicate_group is None:
             return (Shard(0),)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import itertools
 import operator
+import weakref
+from collections import deque
 from collections.abc import Sequence
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -73,15 +77,47 @@ def _alias(
     return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
 
 
-def _dtensor(
-    local: torch.Tensor, info: MeshInfo, shape: torch.Size, stride: tuple[int, ...]
-) -> DTensor:
-    """A DTensor over ``local`` (no copy, not differentiable); cheaper than
-    ``DTensor.from_local``, which goes through autograd."""
-    spec = DTensorSpec(
-        info.mesh, info.placements, tensor_meta=TensorMeta(shape, stride, local.dtype)
-    )
-    return DTensor(local, spec, requires_grad=False)
+class _Specs:
+    """DTensor specs of one mesh, made once per distinct (shape, stride, dtype).
+
+    [Note: Cheap sharded parameters]
+    ``nn.Parameter(DTensor.from_local(...))``, what FSDP2 builds per parameter,
+    goes through autograd, ``DTensor.__init__`` (wrapped to disable dynamo:
+    about 80 us) and ``detach`` (a DTensor dispatch), and builds a fresh spec
+    (about 15 us). fsdp-rs calls ``DTensor.__new__`` (the C constructor; the
+    ``__init__`` it skips does nothing) over its view of the buffer, marks the
+    result a parameter the way ``nn.Parameter.__new__`` marks tensor subclasses
+    (``_is_param``), and shares one spec between all parameters of a mesh with
+    the same shape and dtype (specs are never mutated once made)."""
+
+    _by_mesh: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+
+    def __init__(self, info: MeshInfo) -> None:
+        self.info = info
+        self._cache = self._by_mesh.setdefault(info.mesh, {})
+
+    def __call__(self, shape: torch.Size, stride: tuple[int, ...], dtype) -> DTensorSpec:
+        key = (self.info.placements, shape, stride, dtype)
+        spec = self._cache.get(key)
+        if spec is None:
+            meta = TensorMeta(torch.Size(shape), stride, dtype)
+            spec = DTensorSpec(self.info.mesh, key[0], tensor_meta=meta)
+            self._cache[key] = spec
+        return spec
+
+
+_new_dtensor = DTensor.__new__
+
+
+def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
+    """A DTensor over ``local`` (no copy); see [Note: Cheap sharded parameters]."""
+    return _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)
+
+
+def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    param = _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)
+    param._is_param = True  # isinstance(param, nn.Parameter), as nn.Parameter marks subclasses
+    return param
 
 
 class FSDPParamGroup:
@@ -110,8 +146,11 @@ class FSDPParamGroup:
         self.shapes = [p.shape for p in params]
         self.requires_grad = [p.requires_grad for p in params]
         self.post_forward_size = post_forward_size
+        ndims, dims = shapes_to_arrays(self.shapes)
+        self._first_dims = dims[np.cumsum(ndims) - ndims]
         self.plan = plan_group(
-            *shapes_to_arrays(self.shapes),
+            ndims,
+            dims,
             info.shard_size,
             info.shard_rank,
             orig_elem_size=self.orig_dtype.itemsize,
@@ -120,6 +159,7 @@ class FSDPParamGroup:
             post_forward_world_size=post_forward_size,
         )
         self.tables = GroupTables.from_plan(self.plan, self.device)
+        self._specs = _Specs(info)
         # Contiguous strides are those of the full, padded and sharded shapes alike.
         self.strides = self._per_param(self.plan.contiguous_strides)
         self._sharded_sizes = self._per_param(self.plan.sharded_sizes)
@@ -213,45 +253,51 @@ class FSDPParamGroup:
         meta = any(p.is_meta for p in params)
         device = torch.device("meta") if meta else self.shard_device
         self.sharded = self._alloc_sharded(device)
+        views = self._local_views(self.sharded)
         if not meta:
             with torch.no_grad():
-                self._fill_sharded(params)
-        self._make_sharded_params([p.requires_grad for p in params])
+                self._fill_sharded(params, views)
+        self._make_sharded_params(self.requires_grad, views)
         self.managed.swap(self.sharded_params)
 
-    def _fill_sharded(self, full: Sequence[torch.Tensor | None]) -> None:
-        src_device = next((t.device for t in full if t is not None), self.device)
-        work_device = self.device if src_device.type != "cpu" else src_device
-        rows = torch.empty(
-            self.info.shard_size, self.plan.row_numel, dtype=self.orig_dtype, device=work_device
+    def _fill_sharded(self, full: Sequence[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """Copy this rank's rows of every full parameter into its sharded view
+        (two C-level passes: ``narrow`` then one ``_foreach_copy_``)."""
+        plan = self.plan
+        starts = np.minimum(plan.chunk_rows * self.info.shard_rank, self._first_dims)
+        sources = list(
+            map(
+                torch.Tensor.narrow,
+                full,
+                itertools.repeat(0),
+                starts.tolist(),
+                plan.sharded_rows.tolist(),
+            )
         )
-        tables = self.tables if work_device == self.device else GroupTables.from_plan(self.plan)
-        full = [None if t is None else t.detach().to(work_device) for t in full]
-        OPS.reduce_scatter_copy_in(full, rows, *tables.reduce_scatter_args())
-        self.sharded.copy_(rows[self.info.shard_rank])
+        torch._foreach_copy_(views, sources)
 
     def _per_param(self, table) -> list[tuple[int, ...]]:
-        """Split a concatenated per-dim plan table into one tuple per param."""
-        flat, bounds = table.tolist(), self.plan.dim_offsets.tolist()
-        return [tuple(flat[a:b]) for a, b in itertools.pairwise(bounds)]
+        """Split a concatenated per-dim plan table into one tuple per param, one
+        gather per distinct dim count (no per-param Python)."""
+        offsets = self.plan.dim_offsets
+        ndims = np.diff(offsets)
+        out: list = [None] * len(ndims)
+        setter = out.__setitem__
+        for k in np.unique(ndims).tolist():
+            index = np.flatnonzero(ndims == k)
+            rows = table[offsets[index][:, None] + np.arange(k)]
+            deque(map(setter, index.tolist(), map(tuple, rows.tolist())), maxlen=0)
+        return out
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
         offsets = self.plan.row_offsets.tolist()
-        numels = self.plan.sharded_numel.tolist()
-        return [
-            buffer[off : off + numel].view(size)
-            for off, numel, size in zip(offsets, numels, self._sharded_sizes, strict=True)
-        ]
+        return list(map(buffer.as_strided, self._sharded_sizes, self.strides, offsets))
 
-    def _make_sharded_params(self, requires_grad: list[bool]) -> None:
-        info = self.info
-        self.sharded_params: list[nn.Parameter] = []
-        for local, shape, stride, rg in zip(
-            self._local_views(self.sharded), self.shapes, self.strides, requires_grad, strict=True
-        ):
-            dt = _dtensor(local, info, shape, stride)
-            self.sharded_params.append(nn.Parameter(dt, requires_grad=rg))
+    def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
+        dtype = self.sharded.dtype
+        specs = list(map(self._specs, self.shapes, self.strides, itertools.repeat(dtype)))
+        self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
         self._grad_views: list[DTensor] | None = None
@@ -279,10 +325,10 @@ class FSDPParamGroup:
         if device.type == "meta":
             return
         self.sharded = self._alloc_sharded(self.shard_device)
+        views = self._local_views(self.sharded)
         with torch.no_grad():
-            for view, local in zip(self._local_views(self.sharded), locals_, strict=True):
-                view.copy_(local)
-        self._make_sharded_params([p.requires_grad for p in current])
+            torch._foreach_copy_(views, locals_)
+        self._make_sharded_params([p.requires_grad for p in current], views)
         self.managed.swap(self.sharded_params)
 
     def _make_unsharded_params(self) -> None:
@@ -458,7 +504,7 @@ class FSDPParamGroup:
             self.grad_buffer = torch.zeros_like(self.sharded)
             views = self._local_views(self.grad_buffer)
             self._grad_views = [
-                _dtensor(views[i], self.info, self.shapes[i], self.strides[i])
+                _dtensor(views[i], self._specs(self.shapes[i], self.strides[i], views[i].dtype))
                 for i in self._grad_index
             ]
         if output.device != self.grad_buffer.device:

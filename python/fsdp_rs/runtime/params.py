@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 
 import torch
@@ -40,19 +40,22 @@ def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
 
 class ManagedParams:
     """The group's parameters (unique, in registration order) and every slot
-    that registers one of them."""
+    that registers one of them: ``slot_dicts[k][slot_names[k]]`` holds
+    parameter ``slot_index[k]``."""
 
-    def __init__(self, params: list[nn.Parameter], fqns: list[str]) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        fqns: list[str],
+        slot_dicts: list[dict],
+        slot_names: list[str],
+        slot_index: list[int],
+    ) -> None:
         self.params = params
         self.fqns = fqns
-        self.slot_dicts: list[dict] = []
-        self.slot_names: list[str] = []
-        self.slot_index: list[int] = []
-
-    def add_slot(self, module: nn.Module, name: str, index: int) -> None:
-        self.slot_dicts.append(module._parameters)
-        self.slot_names.append(name)
-        self.slot_index.append(index)
+        self.slot_dicts = slot_dicts
+        self.slot_names = slot_names
+        self.slot_index = slot_index
 
     def registered(self) -> list[torch.Tensor]:
         """The objects registered now, one per parameter (first slot of each)."""
@@ -73,20 +76,21 @@ def _is_managed_elsewhere(module: nn.Module) -> bool:
 
 
 def collect_params(
-    roots: Sequence[nn.Module],
-    ignored: Iterable[nn.Parameter],
-    owner_of: Callable[[nn.Parameter], str | None],
+    roots: Sequence[nn.Module], ignored: Iterable[nn.Parameter], owner_attr: str
 ) -> ManagedParams:
     """Parameters registered under ``roots``, skipping the subtrees of modules
     already passed to ``fully_shard`` and the ``ignored`` parameters.
 
-    ``owner_of`` describes the group already owning a parameter (None if none);
-    a parameter shared with another group is an error (both groups would shard
-    and reduce it)."""
+    A parameter's ``owner_attr`` attribute describes the group already owning
+    it; a parameter shared with another group is an error (both groups would
+    shard and reduce it)."""
     ignored_ids = {id(p) for p in ignored}
     params: list[nn.Parameter] = []
     fqns: list[str] = []
-    slots: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    slot_dicts: list[dict] = []
+    slot_names: list[str] = []
+    slot_index: list[int] = []
+    index: dict[int, int] = {}
     seen_modules: set[int] = set()
     for root_index, root in enumerate(roots):
         stack = [(root, "" if len(roots) == 1 else f"[{root_index}]")]
@@ -95,29 +99,28 @@ def collect_params(
             if id(module) in seen_modules:
                 continue
             seen_modules.add(id(module))
-            for name, param in module._parameters.items():
-                if param is None or id(param) in ignored_ids:
+            registry = module._parameters
+            for name, param in registry.items():
+                if param is None or (key := id(param)) in ignored_ids:
                     continue
-                owner = owner_of(param)
-                if owner is not None:
-                    raise ValueError(
-                        f"fully_shard: parameter {prefix}{name} (shape {tuple(param.shape)}) is "
-                        f"shared with {owner}; a parameter can belong to one "
-                        "fully_shard group only: shard the modules that share it together "
-                        "(e.g. apply fully_shard to their common parent, or pass them as one "
-                        "list to fully_shard)"
-                    )
-                slots.append((module, name, prefix + name, param))
+                i = index.get(key)
+                if i is None:
+                    owner = getattr(param, owner_attr, None)
+                    if owner is not None:
+                        raise ValueError(
+                            f"fully_shard: parameter {prefix}{name} (shape "
+                            f"{tuple(param.shape)}) is shared with {owner}; a parameter can "
+                            "belong to one fully_shard group only: shard the modules that "
+                            "share it together (e.g. apply fully_shard to their common "
+                            "parent, or pass them as one list to fully_shard)"
+                        )
+                    i = index[key] = len(params)
+                    params.append(param)
+                    fqns.append(prefix + name)  # relative to the group's module; for messages
+                slot_dicts.append(registry)
+                slot_names.append(name)
+                slot_index.append(i)
             for child_name, child in reversed(list(module._modules.items())):
                 if child is not None and not _is_managed_elsewhere(child):
                     stack.append((child, f"{prefix}{child_name}."))
-    index: dict[int, int] = {}
-    for _, _, fqn, param in slots:
-        if id(param) not in index:
-            index[id(param)] = len(params)
-            params.append(param)
-            fqns.append(fqn)  # relative to the group's module; for messages
-    managed = ManagedParams(params, fqns)
-    for module, name, _, param in slots:
-        managed.add_slot(module, name, index[id(param)])
-    return managed
+    return ManagedParams(params, fqns, slot_dicts, slot_names, slot_index)

@@ -1,0 +1,122 @@
+"""Element indices for the CPU references, built once per table set.
+
+[Note: Cached CPU indices]
+On CPU the copy-out and the reduce-scatter copy-in move a few thousand
+elements per group, so they are bound by how many torch ops they run, not by
+bytes: building their gather indices from the tables takes about ten ops per
+call, the copy itself one ``index_select``. The index is a function of the
+table tensors only (and the world size), so it is computed once and kept while
+those same tensor objects live and have not been written in place (their
+version counters are part of the check). A hit costs a dict lookup. Indices
+are int32 when they fit (``index_select`` takes both), so the cache holds
+about one unsharded buffer's worth of int32 per group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from fsdp_rs.kernels._segments import segment_columns
+
+__all__ = ["copy_out_index", "reduce_scatter_flat_index", "reduce_scatter_index"]
+
+_CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
+
+
+def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], torch.Tensor]):
+    key = (tuple(map(id, tables)), extra)
+    versions = tuple(t._version for t in tables)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        refs, seen, index = hit
+        if seen == versions and all(r() is t for r, t in zip(refs, tables, strict=True)):
+            return index
+    index = build()
+    refs = tuple(weakref.ref(t, lambda _, key=key: _CACHE.pop(key, None)) for t in tables)
+    _CACHE[key] = (refs, versions, index)
+    return index
+
+
+def _index_dtype(bound: int) -> torch.dtype:
+    return torch.int32 if bound < 2**31 else torch.int64
+
+
+def copy_out_index(
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    world_size: int,
+    row_numel: int,
+    out_numel: int,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Where each unsharded element comes from in the flat all-gather output
+    ``[W, S]``, as ``(dst, src)``: element ``dst[k]`` of the unsharded buffer
+    receives element ``src[k]``. ``dst`` is None when it would be every element
+    in order (the buffer has no alignment gaps), so that a single gather fills
+    it; the gaps are never written otherwise."""
+
+    def build() -> tuple[torch.Tensor | None, torch.Tensor]:
+        seg, pos, cols = segment_columns(row_offsets, padded_numel)
+        ranks = torch.arange(world_size)[:, None]
+        dst = (unsharded_offsets[seg] + pos + ranks * padded_numel[seg]).view(-1)
+        src = (cols + ranks * row_numel).view(-1)
+        src_dtype = _index_dtype(world_size * row_numel)
+        if dst.numel() == out_numel:
+            index = torch.empty(out_numel, dtype=src_dtype)
+            index[dst] = src.to(src_dtype)
+            return None, index
+        return dst, src.to(src_dtype)
+
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    return _cached(tables, ("copy_out", world_size, row_numel, out_numel), build)
+
+
+def reduce_scatter_index(
+    row_offsets: torch.Tensor, padded_numel: torch.Tensor, world_size: int, row_numel: int
+) -> torch.Tensor:
+    """``index[i]``: the element of the packed gradients ``[W, T]`` (``T`` the
+    sum of the padded numels, as ``torch._chunk_cat`` writes them, plus one
+    zero at the end) that element ``i`` of the reduce-scatter input ``[W, S]``
+    receives; alignment gaps point at the zero."""
+
+    def build() -> torch.Tensor:
+        _, _, cols = segment_columns(row_offsets, padded_numel)
+        packed = cols.numel()
+        index = torch.full((world_size, row_numel), world_size * packed, dtype=torch.int64)
+        ranks = torch.arange(world_size)[:, None]
+        index[:, cols] = ranks * packed + torch.arange(packed)
+        return index.view(-1).to(_index_dtype(world_size * packed + 1))
+
+    tables = (row_offsets, padded_numel)
+    return _cached(tables, ("reduce_scatter", world_size, row_numel), build)
+
+
+def reduce_scatter_flat_index(
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    numels: np.ndarray,
+    world_size: int,
+    row_numel: int,
+) -> torch.Tensor:
+    """``index[i]``: the element of the gradients flattened and concatenated
+    (``numels[p]`` elements each, plus one zero at the end) that element ``i``
+    of the reduce-scatter input ``[W, S]`` receives: chunk ``r`` of param ``p``
+    is its elements ``[r * n, (r + 1) * n)``; padding and gaps point at the zero."""
+
+    def build() -> torch.Tensor:
+        seg, pos, cols = segment_columns(row_offsets, padded_numel)
+        numel = torch.from_numpy(numels)
+        zero = int(numels.sum())
+        start = torch.cumsum(numel, 0) - numel
+        within = torch.arange(world_size)[:, None] * padded_numel[seg] + pos
+        src = torch.where(within < numel[seg], start[seg] + within, zero)
+        index = torch.full((world_size, row_numel), zero, dtype=torch.int64)
+        index[:, cols] = src
+        return index.view(-1).to(_index_dtype(zero + 1))
+
+    key = ("reduce_scatter_flat", world_size, row_numel, numels.tobytes())
+    return _cached((row_offsets, padded_numel), key, build)
