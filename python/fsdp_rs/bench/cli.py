@@ -15,6 +15,9 @@ from fsdp_rs.bench.shapes import MIXES
 __all__ = ["build_parser", "main"]
 
 DEFAULT_PARAMS = (1_000, 10_000, 100_000, 1_000_000)
+STEP_DEFAULT_PARAMS = (1_000, 10_000, 100_000)
+INIT_TORCH_MAX_PARAMS = 100_000
+DEFAULT_BLOCK_PARAMS = 100
 DEFAULT_WORLD_SIZE = 8
 DEFAULT_REPEAT = 5
 COPY_CASES = ("a", "b", "c", "d")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
@@ -308,6 +311,114 @@ def _run_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_training_options(p: argparse.ArgumentParser, default_params: Sequence[int]) -> None:
+    shown = " ".join(f"{n:.0e}".replace("e+0", "e") for n in default_params)
+    p.add_argument(
+        "--params",
+        metavar="N",
+        type=positive_int,
+        action="append",
+        help=f"parameter tensors in the model; repeat for a sweep (default: {shown})",
+    )
+    p.add_argument(
+        "--world-size",
+        metavar="W",
+        type=positive_int,
+        default=DEFAULT_WORLD_SIZE,
+        help=f"fake process group size (default: {DEFAULT_WORLD_SIZE})",
+    )
+    p.add_argument(
+        "--block-params",
+        metavar="K",
+        type=positive_int,
+        default=DEFAULT_BLOCK_PARAMS,
+        help=(
+            "parameter tensors per block; each block is one fully_shard group "
+            f"(default: {DEFAULT_BLOCK_PARAMS})"
+        ),
+    )
+    p.add_argument("--seed", type=int, default=0, help="parameter init seed (default: 0)")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+
+
+def _add_init(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "init",
+        help="time fully_shard: fsdp-rs against torch FSDP2",
+        description=(
+            "Time fully_shard (per block, then the root) on a model of N small parameter "
+            "tensors, fsdp-rs and torch FSDP2 side by side, on a fake process group "
+            "(rank 0 of W; no communication)."
+        ),
+    )
+    _add_training_options(p, DEFAULT_PARAMS)
+    p.add_argument(
+        "--torch-max-params",
+        metavar="N",
+        type=positive_int,
+        default=INIT_TORCH_MAX_PARAMS,
+        help=(
+            "time torch FSDP2 only up to N parameters; it takes about 0.35 ms per parameter "
+            f"(default: {INIT_TORCH_MAX_PARAMS:.0e})"
+        ),
+    )
+    p.set_defaults(run=_run_training, parser=p, bench="init")
+
+
+def _add_step(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "step",
+        help="time the per-step bookkeeping: fsdp-rs against torch FSDP2",
+        description=(
+            "Time forward + backward of the same model unsharded, sharded by fsdp-rs and "
+            "by torch FSDP2 (fake process group, rank 0 of W), interleaved step by step; the "
+            "bookkeeping overhead is a library's median step time minus the unsharded one."
+        ),
+    )
+    _add_training_options(p, STEP_DEFAULT_PARAMS)
+    p.add_argument(
+        "--repeat",
+        metavar="K",
+        type=positive_int,
+        default=DEFAULT_REPEAT,
+        help=f"timed steps per model; the median is reported (default: {DEFAULT_REPEAT})",
+    )
+    p.set_defaults(run=_run_training, parser=p, bench="step")
+
+
+def _run_training(args: argparse.Namespace) -> int:
+    from fsdp_rs.bench import report, training
+    from fsdp_rs.bench.plan import environment
+
+    env = environment()
+    records = []
+    default = DEFAULT_PARAMS if args.bench == "init" else STEP_DEFAULT_PARAMS
+    print(
+        f"{args.bench}: fake process group W={args.world_size} (rank 0), blocks of "
+        f"{args.block_params} params, one fully_shard group per block plus the root",
+        flush=True,
+    )
+    for n in args.params or default:
+        if args.bench == "init":
+            torch_too = n <= args.torch_max_params
+            record = training.bench_init(
+                n, args.world_size, args.block_params, torch_too, seed=args.seed
+            )
+        else:
+            record = training.bench_step(
+                n, args.world_size, args.block_params, args.repeat, seed=args.seed
+            )
+        print(f"  N={n}: done", file=sys.stderr, flush=True)
+        records.append({**record, **env})
+
+    table = report.init_table if args.bench == "init" else report.step_table
+    print(table(records))
+    if args.json:
+        report.write_json(records, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_rs.bench",
@@ -317,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_plan(subparsers)
     _add_copy(subparsers)
+    _add_init(subparsers)
+    _add_step(subparsers)
     return parser
 
 

@@ -131,6 +131,58 @@ def copy_table(records: Sequence[Record]) -> str:
     return format_table(_COPY_HEADERS, rows)
 
 
+def init_table(records: Sequence[Record]) -> str:
+    """``bench init``: fully_shard seconds per N, and per parameter."""
+    headers = ["n_params", "groups", "fsdp-rs s", "us/param", "torch s", "us/param", "speedup"]
+    rows = []
+    for r in records:
+        n, ours, theirs = r["n_params"], r["fsdp_rs_s"], r["torch_s"]
+        rows.append(
+            [
+                str(n),
+                str(r["groups"]),
+                _fmt(ours, ".3f"),
+                _fmt(ours / n * 1e6, ".1f"),
+                _fmt(theirs, ".3f"),
+                _fmt(None if theirs is None else theirs / n * 1e6, ".1f"),
+                _fmt(r["speedup"], ".1f"),
+            ]
+        )
+    return format_table(headers, rows)
+
+
+def step_table(records: Sequence[Record]) -> str:
+    """``bench step``: step times and the bookkeeping overhead per step."""
+    headers = [
+        "n_params",
+        "unsharded ms",
+        "fsdp-rs ms",
+        "torch ms",
+        "fsdp-rs overhead ms",
+        "us/param",
+        "torch overhead ms",
+        "us/param",
+        "speedup",
+    ]
+    rows = []
+    for r in records:
+        n = r["n_params"]
+        rows.append(
+            [
+                str(n),
+                _fmt(_ms(r["unsharded_step_s"]), ".1f"),
+                _fmt(_ms(r["fsdp_rs_step_s"]), ".1f"),
+                _fmt(_ms(r["torch_step_s"]), ".1f"),
+                _fmt(_ms(r["fsdp_rs_s"]), ".1f"),
+                _fmt(r["fsdp_rs_s"] / n * 1e6, ".2f"),
+                _fmt(_ms(r["torch_s"]), ".1f"),
+                _fmt(r["torch_s"] / n * 1e6, ".2f"),
+                _fmt(r["speedup"], ".1f"),
+            ]
+        )
+    return format_table(headers, rows)
+
+
 def write_json(records: Sequence[Record], path: str | Path) -> None:
     """A JSON list of the records (strict JSON: no NaN or Infinity)."""
     text = json.dumps(list(records), indent=2, allow_nan=False)

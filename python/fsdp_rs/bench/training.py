@@ -1,0 +1,187 @@
+"""``bench init`` and ``bench step``: fsdp-rs's ``fully_shard`` against torch
+FSDP2's on the same model, in one process over torch's fake process group
+(collectives return at once, so what is timed is the Python and copy work of
+sharding, not communication; the all-gathered values are not real, so the
+sharded models' outputs are not comparable to the unsharded one's).
+
+The model has many small parameter tensors: blocks of ``BLOCK_SHAPES`` (a
+transformer layer's shapes at width 8), each block one ``fully_shard`` group,
+then the root. A block's forward uses every parameter once:
+``x + cat(flattened params).sum()``.
+
+[Note: Bookkeeping overhead]
+``bench step`` times forward + backward of three copies of the model (unsharded,
+fsdp-rs, torch FSDP2), interleaved step by step so that a slow stretch of the
+machine hits all three alike, with ``zero_grad()`` before each step as in
+training. The per-step bookkeeping overhead of a sharding library is its median
+step time minus the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "BLOCK_SHAPES",
+    "BenchModel",
+    "bench_init",
+    "bench_step",
+    "fake_process_group",
+    "shard_model",
+]
+
+BLOCK_SHAPES: tuple[tuple[int, ...], ...] = (
+    (8,),  # norm
+    (24, 8),  # qkv
+    (24,),
+    (8, 8),  # out projection
+    (8,),
+    (8,),  # norm
+    (32, 8),  # mlp up
+    (32,),
+    (8, 32),  # mlp down
+    (8,),
+)
+
+
+class Block(nn.Module):
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList([nn.Parameter(torch.randn(s) * 0.02) for s in shapes])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.cat([p.reshape(-1) for p in self.params]).sum()
+
+
+class BenchModel(nn.Module):
+    """``n_params`` parameter tensors in blocks of ``block_params``."""
+
+    def __init__(self, n_params: int, block_params: int) -> None:
+        super().__init__()
+        shapes = [BLOCK_SHAPES[i % len(BLOCK_SHAPES)] for i in range(n_params)]
+        self.blocks = nn.ModuleList(
+            Block(shapes[i : i + block_params]) for i in range(0, n_params, block_params)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fake_process_group(world_size: int) -> None:
+    """Rank 0 of a fake process group of ``world_size`` (replacing any other)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _fully_shard(library: str) -> Callable[..., Any]:
+    if library == "fsdp_rs":
+        from fsdp_rs import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    return fully_shard
+
+
+def shard_model(model: BenchModel, library: str) -> float:
+    """Apply ``library``'s fully_shard per block, then to the root; seconds."""
+    fully_shard = _fully_shard(library)
+    gc.collect()
+    start = time.perf_counter()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return time.perf_counter() - start
+
+
+def _warm_up(world_size: int) -> None:
+    """One-time imports and caches (DTensor, dynamo's disable wrappers, the
+    default mesh) on a tiny model, so neither library pays them in its timing."""
+    for library in ("fsdp_rs", "torch"):
+        model = BenchModel(2 * len(BLOCK_SHAPES), len(BLOCK_SHAPES))
+        shard_model(model, library)
+        model(torch.zeros(4)).sum().backward()
+
+
+def bench_init(
+    n_params: int, world_size: int, block_params: int, torch_too: bool, seed: int = 0
+) -> dict[str, Any]:
+    """Seconds of fully_shard on a fresh model, fsdp-rs and (if ``torch_too``)
+    torch FSDP2."""
+    fake_process_group(world_size)
+    _warm_up(world_size)
+    times = {}
+    for library in ("fsdp_rs", "torch") if torch_too else ("fsdp_rs",):
+        torch.manual_seed(seed)
+        model = BenchModel(n_params, block_params)
+        times[library] = shard_model(model, library)
+        del model
+        gc.collect()
+    torch_s = times.get("torch")
+    return {
+        "bench": "init",
+        "n_params": n_params,
+        "world_size": world_size,
+        "block_params": block_params,
+        "groups": -(-n_params // block_params) + 1,
+        "fsdp_rs_s": times["fsdp_rs"],
+        "torch_s": torch_s,
+        "speedup": None if torch_s is None else torch_s / times["fsdp_rs"],
+    }
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> float:
+    model.zero_grad()
+    start = time.perf_counter()
+    model(x).sum().backward()
+    return time.perf_counter() - start
+
+
+def bench_step(
+    n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0
+) -> dict[str, Any]:
+    """Median forward + backward seconds of the unsharded model, fsdp-rs and
+    torch FSDP2; see [Note: Bookkeeping overhead]."""
+    fake_process_group(world_size)
+    _warm_up(world_size)
+    models = {}
+    for library in ("unsharded", "fsdp_rs", "torch"):
+        torch.manual_seed(seed)
+        models[library] = BenchModel(n_params, block_params)
+        if library != "unsharded":
+            shard_model(models[library], library)
+    x = torch.randn(4)
+    for model in models.values():  # warm-up step (lazy init, grad views)
+        _step(model, x)
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeat):
+        for name, model in models.items():
+            samples[name].append(_step(model, x))
+    step = {name: statistics.median(s) for name, s in samples.items()}
+    fsdp_rs_s = step["fsdp_rs"] - step["unsharded"]
+    torch_s = step["torch"] - step["unsharded"]
+    return {
+        "bench": "step",
+        "n_params": n_params,
+        "world_size": world_size,
+        "block_params": block_params,
+        "groups": -(-n_params // block_params) + 1,
+        "repeat": repeat,
+        "unsharded_step_s": step["unsharded"],
+        "fsdp_rs_step_s": step["fsdp_rs"],
+        "torch_step_s": step["torch"],
+        "fsdp_rs_s": fsdp_rs_s,
+        "torch_s": torch_s,
+        "speedup": torch_s / fsdp_rs_s if fsdp_rs_s > 0 else None,
+    }
