@@ -140,6 +140,46 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
     return losses, [t.tolist() for t in params + ignored_local]
 
 
+def checkpoint_round_trip(out_dir: str, world_size: int) -> dict:
+    """Save an fsdp-rs model (trained one step) with torch.distributed.checkpoint,
+    load it into a differently initialized fsdp-rs model and into a torch FSDP2
+    model: every parameter's full tensor must come back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp_rs
+
+    def build(seed: int, fs: Callable) -> nn.Module:
+        torch.manual_seed(seed)
+        model = mlp()
+        _shard_layers(model, fs)
+        return model
+
+    model = build(0, fsdp_rs.fully_shard)
+    x = _mlp_data(0, dist.get_rank())
+    model(x).square().mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+    saved = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    path = os.path.join(out_dir, "checkpoint")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    result = {}
+    for name, fs in (("fsdp_rs", fsdp_rs.fully_shard), ("torch", torch_fully_shard)):
+        fresh = build(1, fs)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        fresh.load_state_dict(state)
+        loaded = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
+        result[name] = sorted(saved) == sorted(loaded) and all(
+            torch.equal(saved[k], loaded[k]) for k in saved
+        )
+        # the loaded model trains: its gradients land in the sharded buffer
+        fresh(x).square().mean().backward()
+        result[f"{name}_grads"] = all(p.grad is not None for p in fresh.parameters())
+    return result
+
+
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
@@ -162,6 +202,10 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
             result = {"error": traceback.format_exc()}
         results[name] = result
         dist.barrier()
+    try:
+        results["checkpoint"] = checkpoint_round_trip(out_dir, world_size)
+    except Exception:
+        results["checkpoint"] = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -74,3 +74,18 @@ def test_training_parity(results, name):
     # gradients out of it), results agree to rounding, not bit for bit.
     exact = world_size == 2 or not SCENARIOS[name].get("layout_differs")
     _check(per_rank, name, exact=exact)
+
+
+def test_checkpoint_round_trip(results):
+    """torch.distributed.checkpoint saves fsdp-rs's sharded state dict and loads it
+    back into fsdp-rs and into torch FSDP2, bit for bit, and both then train."""
+    _, per_rank = results
+    for rank, r in enumerate(per_rank):
+        result = r["checkpoint"]
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        assert result == {
+            "fsdp_rs": True,
+            "fsdp_rs_grads": True,
+            "torch": True,
+            "torch_grads": True,
+        }

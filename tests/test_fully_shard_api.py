@@ -4,7 +4,9 @@ trivial); a fake process group (W = 2) checks the metadata other ranks see."""
 
 from __future__ import annotations
 
+import gc
 import socket
+import weakref
 
 import pytest
 import torch
@@ -169,3 +171,13 @@ def test_public_names():
     for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
                  "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method"):  # fmt: skip
         assert getattr(fsdp_rs, name) is not None
+
+
+def test_original_parameters_are_released(fake2):
+    """fully_shard keeps no reference to the full parameters it replaced, so their
+    memory is freed (only the sharded buffer remains)."""
+    model = mlp()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    shard(model)
+    gc.collect()
+    assert [r() for r in originals] == [None] * len(originals)

@@ -84,6 +84,7 @@ def fully_shard(
         # Both the original parameters and the sharded ones that replace them.
         owned = chain(managed.params, group.sharded_params)
         deque(map(setattr, owned, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
+        managed.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_rs_state = state

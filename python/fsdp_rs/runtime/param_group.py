@@ -12,7 +12,6 @@ import enum
 import itertools
 import operator
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -277,17 +276,9 @@ class FSDPParamGroup:
         torch._foreach_copy_(views, sources)
 
     def _per_param(self, table) -> list[tuple[int, ...]]:
-        """Split a concatenated per-dim plan table into one tuple per param, one
-        gather per distinct dim count (no per-param Python)."""
-        offsets = self.plan.dim_offsets
-        ndims = np.diff(offsets)
-        out: list = [None] * len(ndims)
-        setter = out.__setitem__
-        for k in np.unique(ndims).tolist():
-            index = np.flatnonzero(ndims == k)
-            rows = table[offsets[index][:, None] + np.arange(k)]
-            deque(map(setter, index.tolist(), map(tuple, rows.tolist())), maxlen=0)
-        return out
+        """Split a concatenated per-dim plan table into one tuple per param."""
+        flat, bounds = table.tolist(), self.plan.dim_offsets.tolist()
+        return [tuple(flat[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""

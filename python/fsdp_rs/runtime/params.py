@@ -51,7 +51,8 @@ class ManagedParams:
         slot_names: list[str],
         slot_index: list[int],
     ) -> None:
-        self.params = params
+        self.params: list[nn.Parameter] | None = params
+        self.num_params = len(params)
         self.fqns = fqns
         self.slot_dicts = slot_dicts
         self.slot_names = slot_names
@@ -62,7 +63,12 @@ class ManagedParams:
         first = {}
         for d, name, i in zip(self.slot_dicts, self.slot_names, self.slot_index, strict=True):
             first.setdefault(i, d[name])
-        return [first[i] for i in range(len(self.params))]
+        return [first[i] for i in range(self.num_params)]
+
+    def forget_originals(self) -> None:
+        """Drop the references to the original (unsharded) parameters once the
+        sharded ones replaced them, so that their memory can be freed."""
+        self.params = None
 
     def swap(self, objects: Sequence[torch.Tensor]) -> None:
         """Register ``objects[i]`` in every slot of parameter ``i``; see
