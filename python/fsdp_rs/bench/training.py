@@ -105,7 +105,7 @@ def shard_model(model: BenchModel, library: str) -> float:
     return time.perf_counter() - start
 
 
-def _warm_up(world_size: int) -> None:
+def _warm_up() -> None:
     """One-time imports and caches (DTensor, dynamo's disable wrappers, the
     default mesh) on a tiny model, so neither library pays them in its timing."""
     for library in ("fsdp_rs", "torch"):
@@ -120,7 +120,7 @@ def bench_init(
     """Seconds of fully_shard on a fresh model, fsdp-rs and (if ``torch_too``)
     torch FSDP2."""
     fake_process_group(world_size)
-    _warm_up(world_size)
+    _warm_up()
     times = {}
     for library in ("fsdp_rs", "torch") if torch_too else ("fsdp_rs",):
         torch.manual_seed(seed)
@@ -154,7 +154,7 @@ def bench_step(
     """Median forward + backward seconds of the unsharded model, fsdp-rs and
     torch FSDP2; see [Note: Bookkeeping overhead]."""
     fake_process_group(world_size)
-    _warm_up(world_size)
+    _warm_up()
     models = {}
     for library in ("unsharded", "fsdp_rs", "torch"):
         torch.manual_seed(seed)

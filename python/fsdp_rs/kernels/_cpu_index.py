@@ -22,7 +22,7 @@ import torch
 
 from fsdp_rs.kernels._segments import segment_columns
 
-__all__ = ["copy_out_index", "reduce_scatter_flat_index", "reduce_scatter_index"]
+__all__ = ["copy_out_index", "reduce_scatter_flat_index"]
 
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 
@@ -73,26 +73,6 @@ def copy_out_index(
 
     tables = (row_offsets, unsharded_offsets, padded_numel)
     return _cached(tables, ("copy_out", world_size, row_numel, out_numel), build)
-
-
-def reduce_scatter_index(
-    row_offsets: torch.Tensor, padded_numel: torch.Tensor, world_size: int, row_numel: int
-) -> torch.Tensor:
-    """``index[i]``: the element of the packed gradients ``[W, T]`` (``T`` the
-    sum of the padded numels, as ``torch._chunk_cat`` writes them, plus one
-    zero at the end) that element ``i`` of the reduce-scatter input ``[W, S]``
-    receives; alignment gaps point at the zero."""
-
-    def build() -> torch.Tensor:
-        _, _, cols = segment_columns(row_offsets, padded_numel)
-        packed = cols.numel()
-        index = torch.full((world_size, row_numel), world_size * packed, dtype=torch.int64)
-        ranks = torch.arange(world_size)[:, None]
-        index[:, cols] = ranks * packed + torch.arange(packed)
-        return index.view(-1).to(_index_dtype(world_size * packed + 1))
-
-    tables = (row_offsets, padded_numel)
-    return _cached(tables, ("reduce_scatter", world_size, row_numel), build)
 
 
 def reduce_scatter_flat_index(

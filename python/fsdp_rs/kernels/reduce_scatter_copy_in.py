@@ -36,7 +36,7 @@ from fsdp_rs.kernels._checks import (
     check_table,
     check_tile_table,
 )
-from fsdp_rs.kernels._cpu_index import reduce_scatter_flat_index, reduce_scatter_index
+from fsdp_rs.kernels._cpu_index import reduce_scatter_flat_index
 from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
 __all__ = [
@@ -115,14 +115,16 @@ def _check_grads(
     world_size: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> np.ndarray | None:
+) -> np.ndarray:
     """Every gradient has ``dtype``, is on ``device`` and has the padded chunk the
     plan expects. Vectorized (C-level ``map``s and NumPy); on a failure the
-    per-gradient loop finds the first offender and names it. Returns the
-    gradients' numels when none is None."""
+    per-gradient loop finds the first offender and names it. Returns each
+    gradient's numel, ``W * n`` (its zero stand-in's) for a missing one."""
     present = list(itertools.filterfalse(_is_none, grads))
+    padded = padded_numel.cpu().numpy()
     ok = True
-    numel = None
+    numel = np.empty(0, np.int64)
+    mask = np.fromiter(map(_is_none, grads), bool, len(grads)) ^ True
     if present:
         ok = set(map(_DTYPE, present)) == {dtype} and set(map(_DEVICE, present)) == {device}
         count = len(present)
@@ -131,11 +133,12 @@ def _check_grads(
             d0 = np.fromiter(map(_FIRST, map(_SHAPE, present)), np.int64, count)
             numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, count)
             chunk = -(-d0 // world_size) * (numel // np.maximum(d0, 1))
-            mask = np.fromiter(map(_is_none, grads), bool, len(grads)) ^ True
-            ok = np.array_equal(chunk, padded_numel.cpu().numpy()[mask])
+            ok = np.array_equal(chunk, padded[mask])
     if ok:
-        return numel if len(present) == len(grads) else None
-    for i, (g, n) in enumerate(zip(grads, padded_numel.tolist(), strict=True)):
+        numels = padded * world_size
+        numels[mask] = numel
+        return numels
+    for i, (g, n) in enumerate(zip(grads, padded.tolist(), strict=True)):
         if g is None:
             continue
         _check_grad(i, g, dtype, device)
@@ -156,37 +159,6 @@ _is_none = functools.partial(operator.is_, None)  # `None in tensors` would call
 _DEVICE = operator.attrgetter("device")
 
 
-def _chunk_cat_copy_in(
-    grads: Sequence[torch.Tensor | None],
-    reduce_scatter_input: torch.Tensor,
-    row_offsets: torch.Tensor,
-    padded_numel: torch.Tensor,
-    dtype: torch.dtype,
-) -> None:
-    """With some gradients None: ``torch._chunk_cat`` (what FSDP2 uses) packs the
-    chunks, zeros standing in for the missing ones; when the plan has alignment
-    gaps, one gather by a cached index moves them to their aligned segments."""
-    world_size, row_numel = reduce_scatter_input.shape
-    numels = padded_numel.tolist()
-    # torch._chunk_cat takes neither None nor empty tensors
-    chunks = [
-        g if g is not None else torch.zeros(world_size, n, dtype=dtype)
-        for g, n in zip(grads, numels, strict=True)
-        if n
-    ]
-    total = sum(numels)
-    if not chunks:
-        reduce_scatter_input.zero_()
-    elif total == row_numel:
-        torch._chunk_cat(chunks, 0, world_size, out=reduce_scatter_input)
-    else:
-        packed = reduce_scatter_input.new_empty(world_size * total + 1)
-        packed[-1] = 0
-        torch._chunk_cat(chunks, 0, world_size, out=packed[:-1].view(world_size, total))
-        index = reduce_scatter_index(row_offsets, padded_numel, world_size, row_numel)
-        torch.index_select(packed, 0, index, out=reduce_scatter_input.view(-1))
-
-
 def torch_reduce_scatter_copy_in(
     grads: Sequence[torch.Tensor | None],
     reduce_scatter_input: torch.Tensor,
@@ -197,9 +169,10 @@ def torch_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
 ) -> None:
-    """Reference: the gradients flattened and concatenated, then one gather by a
-    cached index ([Note: Cached CPU indices]) writes every row, zeros included;
-    with some gradients None, ``torch._chunk_cat`` instead. Then ``div_``."""
+    """Reference: the gradients flattened and concatenated (zeros of ``W * n``
+    elements standing in for a missing one), then one gather by a cached index
+    ([Note: Cached CPU indices]) writes every row, padding and gaps included.
+    Then ``div_``."""
     check_reduce_scatter_copy_in(
         grads, reduce_scatter_input, row_offsets, padded_numel,
         tile_param, tile_start, tile_len, divide_factor,
@@ -207,18 +180,19 @@ def torch_reduce_scatter_copy_in(
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
-    if numels is not None and len(grads):
-        # Every gradient present: flatten and concatenate them, then one gather
-        # by a cached index places chunks, padding and gaps.
-        flat = [*map(torch.flatten, grads), reduce_scatter_input.new_zeros(1, dtype=dtype)]
-        index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
-        flat = torch.cat(flat)
-        if flat.dtype == reduce_scatter_input.dtype:
-            torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
-        else:
-            reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
+    if any(map(_is_none, grads)):
+        flat = [
+            reduce_scatter_input.new_zeros(n, dtype=dtype) if g is None else g.flatten()
+            for g, n in zip(grads, numels.tolist(), strict=True)
+        ]
     else:
-        _chunk_cat_copy_in(grads, reduce_scatter_input, row_offsets, padded_numel, dtype)
+        flat = list(map(torch.flatten, grads))
+    flat = torch.cat([*flat, reduce_scatter_input.new_zeros(1, dtype=dtype)])
+    index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+    if flat.dtype == reduce_scatter_input.dtype:
+        torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
+    else:
+        reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
     if divide_factor != 1.0:
         reduce_scatter_input.div_(divide_factor)
 

@@ -114,7 +114,7 @@ def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False
 
 
 def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
-    param = _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)
+    param = _dtensor(local, spec, requires_grad)
     param._is_param = True  # isinstance(param, nn.Parameter), as nn.Parameter marks subclasses
     return param
 
