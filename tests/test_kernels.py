@@ -19,6 +19,7 @@ from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
 from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
 from fsdp_rs.kernels.post_reduce import triton_post_reduce
 from fsdp_rs.kernels.reduce_scatter_copy_in import triton_reduce_scatter_copy_in
+from fsdp_rs.kernels.reduce_scatter_copy_in_flat import triton_reduce_scatter_copy_in_flat
 from fsdp_rs.ops import GroupTables
 from fsdp_rs.planning import shapes_to_arrays
 
@@ -157,6 +158,48 @@ def test_reduce_scatter_copy_in(case, world_size, grad, reduce):
     triton_reduce_scatter_copy_in(on_device, tri, *tables.reduce_scatter_args())
     assert torch.equal(ref.cpu(), expected)  # every element written: no NaN left
     assert_close_1ulp(tri, ref, exact=grad == reduce or not INTERPRETED)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("grad", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
+def test_reduce_scatter_copy_in_flat(case, world_size, grad, reduce):
+    shapes = CASES[case]
+    plan = make_plan(shapes, world_size, 0, torch.float32, grad, reduce)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    grads = make_params(shapes, grad, seed=4)
+    # The buffer as autograd leaves it: gradients in place, zeros in the padding.
+    buffer = unsharded_of(grads, plan, 0.0, grad).to(DEVICE)
+    expected = rows_of(grads, plan, reduce)
+    ref = torch.full((world_size, plan.row_numel), float("nan"), dtype=reduce, device=DEVICE)
+    tri = ref.clone()
+    args = tables.reduce_scatter_flat_args()
+    torch.ops.fsdp_rs.reduce_scatter_copy_in_flat(buffer, ref, *args)
+    triton_reduce_scatter_copy_in_flat(buffer, tri, *args)
+    assert torch.equal(ref.cpu(), expected)  # every element written: no NaN left
+    assert_close_1ulp(tri, ref, exact=grad == reduce or not INTERPRETED)
+
+
+@pytest.mark.parametrize("divide_factor", [2.0, 3.0])
+def test_reduce_scatter_copy_in_flat_predivide(divide_factor):
+    shapes = CASES["odd"]
+    plan = make_plan(shapes, 3, 0, torch.float32, torch.float32, torch.float16)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    grads = make_params(shapes, torch.float32, seed=5)
+    buffer = unsharded_of(grads, plan, 0.0, torch.float32).to(DEVICE)
+    ref = torch.empty(3, plan.row_numel, dtype=torch.float16, device=DEVICE)
+    tri = torch.empty_like(ref)
+    args = tables.reduce_scatter_flat_args()
+    torch.ops.fsdp_rs.reduce_scatter_copy_in_flat(buffer, ref, *args, divide_factor)
+    triton_reduce_scatter_copy_in_flat(buffer, tri, *args, divide_factor)
+    # Same rows, cast and division as the per-gradient copy-in.
+    expected = torch.empty_like(ref)
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(
+        [g.to(DEVICE) for g in grads], expected, *tables.reduce_scatter_args(), divide_factor
+    )
+    assert torch.equal(ref, expected)
+    assert_close_1ulp(tri, ref, exact=not INTERPRETED, ulps=2)
 
 
 @pytest.mark.parametrize("divide_factor", [2.0, 3.0, 8.0])

@@ -52,6 +52,13 @@ def rs_copy_in_args():
     return (grads, rs, *tables.reduce_scatter_args(), 3.0)
 
 
+def rs_copy_in_flat_args():
+    plan, tables, params = make(param=torch.float32, reduce=torch.bfloat16)
+    buffer = unsharded_of(params, plan, 0.0, torch.float32)
+    rs = torch.zeros(WORLD_SIZE, plan.row_numel, dtype=torch.bfloat16)
+    return (buffer, rs, *tables.reduce_scatter_flat_args(), 3.0)
+
+
 def post_reduce_args(accumulate=True):
     return (torch.randn(300, dtype=torch.bfloat16), torch.randn(300), 3.0, accumulate)
 
@@ -61,6 +68,7 @@ SAMPLES = {
     "all_gather_copy_out": copy_out_args,
     "all_gather_copy_out_per_param": lambda: copy_out_args(per_param=True),
     "reduce_scatter_copy_in": rs_copy_in_args,
+    "reduce_scatter_copy_in_flat": rs_copy_in_flat_args,
     "post_reduce": post_reduce_args,
 }
 
@@ -144,6 +152,12 @@ def _functions():
         OPS.reduce_scatter_copy_in(grads, rs, *tables_and_factor)
         return fresh - 1
 
+    def rs_copy_in_flat(buffer, rs, *tables_and_factor):
+        fresh = torch.zeros_like(rs)
+        OPS.reduce_scatter_copy_in_flat(buffer * 3, fresh, *tables_and_factor)
+        OPS.reduce_scatter_copy_in_flat(buffer, rs, *tables_and_factor)
+        return fresh - 1
+
     def post(output, grad, factor, accumulate):
         fresh = torch.ones_like(grad)
         OPS.post_reduce(output + 1, fresh, factor, accumulate)
@@ -155,6 +169,7 @@ def _functions():
         "all_gather_copy_out": copy_out,
         "all_gather_copy_out_per_param": copy_out,
         "reduce_scatter_copy_in": rs_copy_in,
+        "reduce_scatter_copy_in_flat": rs_copy_in_flat,
         "post_reduce": post,
     }
 
@@ -290,6 +305,20 @@ def test_rs_copy_in_bad_input():
     for factor in (0.0, -2.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="divide_factor"):
             OPS.reduce_scatter_copy_in(grads, rs, *tables, factor)
+
+
+def test_rs_copy_in_flat_bad_input():
+    buffer, rs, *tables, factor = rs_copy_in_flat_args()
+    with pytest.raises(ValueError, match=r"grad_buffer has \d+ elements"):
+        OPS.reduce_scatter_copy_in_flat(buffer[: buffer.numel() // 2], rs, *tables, factor)
+    with pytest.raises(ValueError, match="grad_buffer must be 1-D"):
+        OPS.reduce_scatter_copy_in_flat(buffer.view(1, -1), rs, *tables, factor)
+    with pytest.raises(TypeError, match=r"table unsharded_offsets has dtype torch\.int32"):
+        OPS.reduce_scatter_copy_in_flat(buffer, rs, tables[0], tables[1].int(), *tables[2:])
+    with pytest.raises(ValueError, match="divide_factor"):
+        OPS.reduce_scatter_copy_in_flat(buffer, rs, *tables, 0.0)
+    with pytest.raises(ValueError, match="on meta"):
+        OPS.reduce_scatter_copy_in_flat(buffer.to("meta"), rs, *tables, factor)
 
 
 def test_post_reduce_bad_input():

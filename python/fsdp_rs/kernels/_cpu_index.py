@@ -22,7 +22,7 @@ import torch
 
 from fsdp_rs.kernels._segments import segment_columns
 
-__all__ = ["copy_out_index", "reduce_scatter_flat_index"]
+__all__ = ["copy_out_index", "reduce_scatter_buffer_index", "reduce_scatter_flat_index"]
 
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 
@@ -100,3 +100,32 @@ def reduce_scatter_flat_index(
 
     key = ("reduce_scatter_flat", world_size, row_numel, numels.tobytes())
     return _cached((row_offsets, padded_numel), key, build)
+
+
+def reduce_scatter_buffer_index(
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    world_size: int,
+    row_numel: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``(src, gaps, bound)`` for the reduce-scatter copy-in from a buffer laid out like
+    the unsharded one: element ``i`` of the flat input ``[W, S]`` receives buffer
+    element ``src[i]``, except the alignment-gap elements ``gaps`` (None when
+    there are none), which are zeros; the buffer needs ``bound`` elements."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        seg, pos, cols = segment_columns(row_offsets, padded_numel)
+        ranks = torch.arange(world_size)[:, None]
+        src = (unsharded_offsets[seg] + ranks * padded_numel[seg] + pos).view(-1)
+        dst = (cols + ranks * row_numel).view(-1)
+        index = torch.zeros(world_size * row_numel, dtype=torch.int64)
+        index[dst] = src
+        gap = torch.ones(world_size * row_numel, dtype=torch.bool)
+        gap[dst] = False
+        gaps = gap.nonzero().view(-1) if bool(gap.any()) else None
+        bound = int(src.max()) + 1 if src.numel() else 0
+        return index.to(_index_dtype(bound)), gaps, bound
+
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    return _cached(tables, ("reduce_scatter_buffer", world_size, row_numel), build)

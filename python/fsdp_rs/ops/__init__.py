@@ -7,6 +7,9 @@ Importing this package registers, in the ``fsdp_rs`` namespace:
   padded_numel, tile_param, tile_start, tile_len)``
 - ``reduce_scatter_copy_in(grads?[], reduce_scatter_input!, row_offsets,
   padded_numel, tile_param, tile_start, tile_len, divide_factor=1.0)``
+- ``reduce_scatter_copy_in_flat(grad_buffer, reduce_scatter_input!, row_offsets,
+  unsharded_offsets, padded_numel, tile_param, tile_start, tile_len,
+  divide_factor=1.0)``
 - ``post_reduce(reduce_scatter_output, sharded_grad!, divide_factor=1.0,
   accumulate=False)``
 - ``set_(tensor!, data)``

@@ -25,6 +25,11 @@ SCHEMAS = {
         "Tensor padded_numel, Tensor tile_param, Tensor tile_start, Tensor tile_len, "
         "float divide_factor=1.0) -> ()"
     ),
+    "reduce_scatter_copy_in_flat": (
+        "(Tensor grad_buffer, Tensor(a!) reduce_scatter_input, Tensor row_offsets, "
+        "Tensor unsharded_offsets, Tensor padded_numel, Tensor tile_param, Tensor tile_start, "
+        "Tensor tile_len, float divide_factor=1.0) -> ()"
+    ),
     "post_reduce": (
         "(Tensor reduce_scatter_output, Tensor(a!) sharded_grad, float divide_factor=1.0, "
         "bool accumulate=False) -> ()"

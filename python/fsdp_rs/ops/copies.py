@@ -1,4 +1,4 @@
-"""CPU, CUDA and fake impls of the four group copies.
+"""CPU, CUDA and fake impls of the five group copies.
 
 CPU impls are the plain-torch references (also the test oracle); CUDA impls are
 the Triton kernels, one launch each; fake impls run the same O(1) argument checks
@@ -13,6 +13,7 @@ from fsdp_rs.kernels import all_gather_copy_in as copy_in
 from fsdp_rs.kernels import all_gather_copy_out as copy_out
 from fsdp_rs.kernels import post_reduce as post
 from fsdp_rs.kernels import reduce_scatter_copy_in as rs_copy_in
+from fsdp_rs.kernels import reduce_scatter_copy_in_flat as rs_copy_in_flat
 from fsdp_rs.ops._library import LIB, NAMESPACE
 
 __all__: list[str] = []
@@ -32,6 +33,11 @@ _IMPLS = {
         rs_copy_in.torch_reduce_scatter_copy_in,
         rs_copy_in.triton_reduce_scatter_copy_in,
         rs_copy_in.check_reduce_scatter_copy_in,
+    ),
+    "reduce_scatter_copy_in_flat": (
+        rs_copy_in_flat.torch_reduce_scatter_copy_in_flat,
+        rs_copy_in_flat.triton_reduce_scatter_copy_in_flat,
+        rs_copy_in_flat.check_reduce_scatter_copy_in_flat,
     ),
     "post_reduce": (
         post.torch_post_reduce,

@@ -61,6 +61,10 @@ class GroupTables:
             self.tile_len,
         )
 
+    # The inverse copy reads the buffer layout through the same tables.
+    reduce_scatter_flat_args = copy_out_args
+    """Table arguments of ``reduce_scatter_copy_in_flat``."""
+
     def reduce_scatter_args(self) -> tuple[torch.Tensor, ...]:
         """Table arguments of ``reduce_scatter_copy_in``."""
         return (

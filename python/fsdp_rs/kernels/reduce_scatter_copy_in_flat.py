@@ -1,0 +1,185 @@
+"""Reduce-scatter copy-in from a flat gradient buffer -> the reduce-scatter input ``[W, S]``.
+
+The same rows as ``reduce_scatter_copy_in`` (rank ``r``'s row holds chunk ``r``
+of every param's gradient at ``row_offsets[p]``, zeros over the alignment
+gaps; cast to the reduce dtype, optional pre-division fused in), read from one
+tensor laid out like the unsharded buffer: param ``p``'s ``W * n`` elements
+(its gradient, then zeros for the padding rows) at ``unsharded_offsets[p]``.
+This is the inverse of the all-gather copy-out into the group buffer, and what
+the runtime passes when autograd accumulated the gradients into views of such
+a buffer ([Note: Pre-placed gradients] in ``runtime/param_group.py``): one
+tensor argument, nothing per param.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
+from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
+from fsdp_rs.kernels._triton import jit, require_triton, tl
+
+__all__ = [
+    "check_reduce_scatter_copy_in_flat",
+    "torch_reduce_scatter_copy_in_flat",
+    "triton_reduce_scatter_copy_in_flat",
+]
+
+OP = "reduce_scatter_copy_in_flat"
+BLOCK = 2048
+
+
+def check_reduce_scatter_copy_in_flat(
+    grad_buffer: torch.Tensor,
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """O(1) checks (the buffer's size against the tables is checked where the
+    tables are read: the CPU index build; the kernel clamps every read)."""
+    check_float(OP, "grad_buffer", grad_buffer, 1)
+    check_float(OP, "reduce_scatter_input", reduce_scatter_input, 2)
+    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
+    for name, table in (
+        ("row_offsets", row_offsets),
+        ("unsharded_offsets", unsharded_offsets),
+        ("padded_numel", padded_numel),
+    ):
+        check_table(OP, name, table, torch.int64, num_params)
+    check_tile_table(OP, tile_param, tile_start, tile_len)
+    check_same_device(
+        OP,
+        [
+            ("reduce_scatter_input", reduce_scatter_input),
+            ("grad_buffer", grad_buffer),
+            ("row_offsets", row_offsets),
+            ("tile_param", tile_param),
+        ],
+    )
+    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+        raise ValueError(
+            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
+            "pass 1.0 for no division"
+        )
+
+
+def torch_reduce_scatter_copy_in_flat(
+    grad_buffer: torch.Tensor,
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """Reference: one gather by a cached index ([Note: Cached CPU indices]), a
+    zero fill of the gap elements, then ``div_``."""
+    check_reduce_scatter_copy_in_flat(
+        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor,
+    )  # fmt: skip
+    world_size, row_numel = reduce_scatter_input.shape
+    src, gaps, needed = reduce_scatter_buffer_index(
+        row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
+    )
+    if grad_buffer.numel() < needed:
+        raise ValueError(
+            f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
+            f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
+        )
+    flat = reduce_scatter_input.view(-1)
+    if grad_buffer.dtype == flat.dtype:
+        torch.index_select(grad_buffer, 0, src, out=flat)
+    else:
+        flat.copy_(grad_buffer.index_select(0, src))
+    if gaps is not None:
+        flat.index_fill_(0, gaps, 0)
+    if divide_factor != 1.0:
+        reduce_scatter_input.div_(divide_factor)
+
+
+@jit
+def _rs_copy_in_flat_kernel(
+    src,
+    dst,
+    row_offsets,
+    unsharded_offsets,
+    padded_numel,
+    tile_param,
+    tile_start,
+    tile_len,
+    row_numel,
+    src_numel,
+    inv_factor,
+    HAS_DIV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    rank = tl.program_id(1).to(tl.int64)
+    p = tl.load(tile_param + tile)
+    start = tl.load(tile_start + tile)
+    n = tl.load(padded_numel + p)
+    row_offset = tl.load(row_offsets + p)
+    # Clamped so no write leaves the row whatever the tables hold.
+    length = tl.minimum(tl.load(tile_len + tile).to(tl.int64), row_numel - row_offset - start)
+    src_offset = tl.load(unsharded_offsets + p) + rank * n + start
+    # Elements read from the buffer; the rest of the tile (the alignment gap) is
+    # zeros. Clamped to the buffer too.
+    valid = tl.minimum(n - start, src_numel - src_offset)
+    src_base = src + src_offset
+    dst_base = dst + rank * row_numel + row_offset + start
+    for i in range(0, length, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(src_base + offs, mask=offs < valid, other=0.0)
+        y = x.to(dst.dtype.element_ty)
+        if HAS_DIV:
+            y = (y.to(tl.float32) * inv_factor).to(dst.dtype.element_ty)
+        tl.store(dst_base + offs, y, mask=offs < length)
+
+
+def triton_reduce_scatter_copy_in_flat(
+    grad_buffer: torch.Tensor,
+    reduce_scatter_input: torch.Tensor,
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+    divide_factor: float = 1.0,
+) -> None:
+    """One launch, grid (tiles, world size), whatever the number of params."""
+    require_triton()
+    check_reduce_scatter_copy_in_flat(
+        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor,
+    )  # fmt: skip
+    world_size, row_numel = reduce_scatter_input.shape
+    num_tiles = tile_param.numel()
+    if num_tiles == 0 or world_size == 0:
+        return
+    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    _rs_copy_in_flat_kernel[(num_tiles, world_size)](
+        grad_buffer,
+        reduce_scatter_input,
+        row_offsets,
+        unsharded_offsets,
+        padded_numel,
+        tile_param,
+        tile_start,
+        tile_len,
+        row_numel,
+        grad_buffer.numel(),
+        inv,
+        HAS_DIV=divide_factor != 1.0,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
