@@ -122,6 +122,72 @@ def test_load_state_dict_assign(gloo1):
     assert torch.equal(out, reference(torch.ones(1, 5)))
 
 
+class Branchy(nn.Module):
+    """``b`` is used only when asked; ``a`` is used twice (two gradient
+    contributions in one backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        x = self.a(self.a(x))
+        return self.b(x) if use_b else x
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {
+        name: None if p.grad is None else p.grad.full_tensor()
+        if isinstance(p.grad, DTensor) else p.grad.clone()
+        for name, p in model.named_parameters()
+    }  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_gradients_match_autograd(gloo1, reshard_after_forward):
+    """Every way gradients reach a group (see [Note: Pre-placed gradients]): a
+    param without a gradient keeps ``.grad`` None; two contributions in one
+    backward; accumulation over backwards with and without gradient sync;
+    ``create_graph=True``, where autograd replaces the pre-placed ``.grad``.
+    With one rank the first backward's gradients equal plain autograd's bit for
+    bit; accumulated ones differ by summation order only."""
+    reference = Branchy()
+    model = Branchy()
+    fully_shard(model.a, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    x = torch.randn(3, 5)
+
+    def step(m, use_b, create_graph=False, sync=True):
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(sync)
+        m(x, use_b).pow(2).sum().backward(create_graph=create_graph)
+
+    step(reference, False)
+    step(model, False)
+    expected, actual = _grads(reference), _grads(model)
+    assert actual["b.weight"] is None and actual["b.bias"] is None
+    for name, g in expected.items():
+        assert (g is None and actual[name] is None) or torch.equal(actual[name], g), name
+    for use_b, create_graph, sync in [
+        (True, False, True),  # accumulate onto existing sharded grads
+        (True, False, False),  # no sync: kept unsharded
+        (False, True, True),  # replaced .grad, plus the kept accumulation
+        (True, False, False),
+        (True, False, True),
+        (True, True, False),  # kept per gradient, then reduced from the buffer
+        (True, False, True),
+    ]:
+        step(reference, use_b, create_graph)
+        step(model, use_b, create_graph, sync)
+        if sync:
+            expected, actual = _grads(reference), _grads(model)
+            for name, g in expected.items():
+                assert torch.allclose(actual[name], g, rtol=1e-6, atol=0), name
+
+
 def test_setters_reach_every_group(fake2):
     model = shard(mlp())
     model.set_requires_gradient_sync(False)

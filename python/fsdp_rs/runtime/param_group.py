@@ -25,9 +25,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.ops import GroupTables
 from fsdp_rs.planning import plan_group, shapes_to_arrays
-from fsdp_rs.runtime.collectives import all_gather, gradient_division, reduce_scatter
+from fsdp_rs.runtime.collectives import all_gather
+from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.mesh import MeshInfo
-from fsdp_rs.runtime.params import ManagedParams, clear_grads, get_grads, set_grads
+from fsdp_rs.runtime.params import ManagedParams, alias_storage
 
 __all__ = ["FSDPParamGroup", "ShardedState"]
 
@@ -59,21 +60,6 @@ def _post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
                 mine = group
     assert mine is not None
     return mine
-
-
-def _alias(
-    storage, like: torch.Tensor, offset: int, shape: torch.Size, stride: tuple[int, ...]
-) -> torch.Tensor:
-    """A tensor over ``storage`` with a version counter of its own.
-
-    [Note: Unsharded parameter versions]
-    Autograd checks that tensors saved for backward were not written in place
-    since. A view shares its base's version counter, so with views of the
-    unsharded buffer, the copy-out that refills the buffer before backward would
-    bump every parameter's version and fail that check. Aliasing the storage with
-    ``set_`` gives each parameter an independent counter; the buffer tensor the
-    copy-out writes keeps its own."""
-    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
 
 
 class _Specs:
@@ -119,7 +105,7 @@ def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> D
     return param
 
 
-class FSDPParamGroup:
+class FSDPParamGroup(GradientReduction):
     def __init__(
         self,
         managed: ManagedParams,
@@ -182,8 +168,7 @@ class FSDPParamGroup:
         self._post_forward_rows: torch.Tensor | None = None
         # (all-gather output, first row, rows) this rank keeps at a post-forward reshard
         self._ag_rows: tuple[torch.Tensor, int, int] | None = None
-        self._accumulated: list[torch.Tensor | None] | None = None
-        self._partial_reduce: torch.Tensor | None = None
+        self._init_gradients()
         self._build_sharded(params)
 
     # ------------------------------------------------------------------ init
@@ -280,6 +265,10 @@ class FSDPParamGroup:
         flat, bounds = table.tolist(), self.plan.dim_offsets.tolist()
         return [tuple(flat[a:b]) for a, b in itertools.pairwise(bounds)]
 
+    def _sharded_view(self, local: torch.Tensor, shape: torch.Size, stride) -> DTensor:
+        """A DTensor (not a parameter) over ``local``, this rank's shard."""
+        return _dtensor(local, self._specs(shape, stride, local.dtype))
+
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
         offsets = self.plan.row_offsets.tolist()
@@ -330,12 +319,14 @@ class FSDPParamGroup:
         offsets = plan.unsharded_offsets.tolist()
         storage = self.unsharded.untyped_storage()
         self.unsharded_params = [
-            nn.Parameter(_alias(storage, self.unsharded, off, s, st), requires_grad=rg)
+            nn.Parameter(alias_storage(storage, self.unsharded, off, s, st), requires_grad=rg)
             for off, s, st, rg in zip(
                 offsets, self.shapes, self.strides, self.requires_grad, strict=True
             )
         ]
-        self._unsharded_with_grad = [p for p in self.unsharded_params if p.requires_grad]
+        self._unsharded_with_grad = [self.unsharded_params[i] for i in self._grad_index]
+        if self.preplace_grads:
+            self._make_grad_aliases()
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:
@@ -421,106 +412,3 @@ class FSDPParamGroup:
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
         self.managed.swap(self.sharded_params)
-
-    # ---------------------------------------------------------- post-backward
-
-    def post_backward(self) -> None:
-        """Reduce the gradients autograd left on the unsharded parameters into the
-        sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
-        self.post_backward_done = True
-        if self.unsharded_params is None:
-            return
-        grads = get_grads(self._unsharded_with_grad)
-        clear_grads(self._unsharded_with_grad)
-        if any(g is not None for g in grads):
-            with torch.no_grad():
-                self._reduce(grads)
-        if self.reshard_after_backward:
-            self.reshard()
-
-    def _reduce(self, grads: list[torch.Tensor | None]) -> None:
-        if self._accumulated is not None:
-            grads = [
-                a if g is None else (g if a is None else a + g)
-                for a, g in zip(self._accumulated, grads, strict=True)
-            ]
-            self._accumulated = None
-        if not self.reduce_grads:
-            # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does.
-            self._accumulated = [None if g is None else g.to(self.reduce_dtype) for g in grads]
-            return
-        info, plan = self.info, self.plan
-        division = gradient_division(
-            self.reduce_dtype,
-            info.shard_size,
-            info.replicate_size,
-            self.gradient_divide_factor,
-            self.force_sum_reduction,
-        )
-        full = [None] * len(self.shapes)
-        for i, g in zip(self._grad_index, grads, strict=True):
-            full[i] = g
-        rs_in = torch.empty(
-            info.shard_size, plan.row_numel, dtype=self.reduce_dtype, device=self.device
-        )
-        OPS.reduce_scatter_copy_in(full, rs_in, *self.tables.reduce_scatter_args(), division.pre)
-        post = division.post
-        if info.shard_size > 1:
-            output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
-            reduce_scatter(
-                output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
-            )
-        else:
-            output = rs_in[0]
-            if self.gradient_divide_factor is not None and post == 1.0:
-                post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
-        if info.replicate_group is not None:
-            if not self.all_reduce_grads:
-                self._partial_reduce = (
-                    output if self._partial_reduce is None else self._partial_reduce + output
-                )
-                return
-            if self._partial_reduce is not None:
-                output = output + self._partial_reduce
-                self._partial_reduce = None
-            dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(output)
-        self._assign_grads(output, post, [g is not None for g in grads])
-
-    def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
-        """Post-reduce into the sharded gradient buffer, then make sure every
-        parameter that got a gradient has a ``.grad`` view of it."""
-        if self._grad_views is None:
-            self.grad_buffer = torch.zeros_like(self.sharded)
-            views = self._local_views(self.grad_buffer)
-            self._grad_views = [
-                _dtensor(views[i], self._specs(self.shapes[i], self.strides[i], views[i].dtype))
-                for i in self._grad_index
-            ]
-        if output.device != self.grad_buffer.device:
-            output = output.to(self.grad_buffer.device)
-        current = get_grads(self._grad_params)
-        ours = list(map(operator.is_, current, self._grad_views))
-        if all(ours) and all(had_grad):
-            OPS.post_reduce(output, self.grad_buffer, divide, True)
-            return
-        if not any(c is not None for c in current) and all(had_grad):
-            OPS.post_reduce(output, self.grad_buffer, divide, False)
-            set_grads(self._grad_params, self._grad_views)
-            return
-        # Rare path (some gradients None or replaced by the user): per parameter.
-        fresh = torch.empty_like(self.grad_buffer)
-        OPS.post_reduce(output, fresh, divide, False)
-        fresh_views = self._local_views(fresh)
-        own_views = self._local_views(self.grad_buffer)
-        for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
-            if not had_grad[k]:
-                continue
-            if current[k] is None:
-                own_views[i].copy_(fresh_views[i])
-                p.grad = self._grad_views[k]
-            elif ours[k]:
-                own_views[i].add_(fresh_views[i])
-            else:
-                current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))

@@ -21,7 +21,14 @@ from itertools import repeat
 import torch
 from torch import nn
 
-__all__ = ["ManagedParams", "clear_grads", "collect_params", "get_grads"]
+__all__ = [
+    "ManagedParams",
+    "alias_storage",
+    "clear_grads",
+    "collect_params",
+    "get_grads",
+    "set_grads",
+]
 
 _get_grad = operator.attrgetter("grad")
 
@@ -36,6 +43,21 @@ def clear_grads(params: Sequence[torch.Tensor]) -> None:
 
 def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     deque(map(setattr, params, repeat("grad"), grads), maxlen=0)
+
+
+def alias_storage(
+    storage, like: torch.Tensor, offset: int, shape: torch.Size, stride: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor over ``storage`` with a version counter of its own.
+
+    [Note: Unsharded parameter versions]
+    Autograd checks that tensors saved for backward were not written in place
+    since. A view shares its base's version counter, so with views of the
+    unsharded buffer, the copy-out that refills the buffer before backward would
+    bump every parameter's version and fail that check. Aliasing the storage with
+    ``set_`` gives each parameter an independent counter; the buffer tensor the
+    copy-out writes keeps its own."""
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, shape, stride)
 
 
 class ManagedParams:

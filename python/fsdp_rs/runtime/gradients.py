@@ -1,0 +1,259 @@
+"""The gradient side of a parameter group: where autograd accumulates the
+unsharded gradients, and the post-backward that reduces them into the sharded
+``.grad`` DTensors.
+
+[Note: Pre-placed gradients]
+On CPU, before a group's backward (its pre-backward hook), the group allocates
+a gradient buffer in the unsharded layout (one storage resize and one
+``zero_``) and points every unsharded parameter's ``.grad`` at its piece of it,
+an alias with its own version counter (as in [Note: Unsharded parameter
+versions]). Autograd then adds into the buffer in place instead of handing
+over a fresh tensor per parameter, and the post-backward reads the whole group
+with one ``reduce_scatter_copy_in_flat``: no per-parameter flatten, cat or
+checks. Which parameters received a gradient is read off the aliases' version
+counters; one whose counter did not move is treated as having none (its sharded
+``.grad`` stays as it was, as in FSDP2).
+
+Anything else (a ``.grad`` the user set or cleared in between, a gradient that
+arrived before the hook, ``create_graph=True`` replacing the alias) is noticed
+by identity and takes the per-gradient path: ``reduce_scatter_copy_in`` over
+the list autograd left. On CUDA that path is the default: in-place
+accumulation would add one kernel launch per parameter and a memset plus a
+read-modify-write of the buffer, where the pointer-table copy-in reads each
+gradient once ([Note: Pointer tables]).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.distributed as dist
+
+from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
+from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, set_grads
+
+__all__ = ["GradientReduction"]
+
+OPS = torch.ops.fsdp_rs
+_VERSION = operator.attrgetter("_version")
+_is_none = functools.partial(operator.is_, None)  # `None in tensors` calls Tensor.__eq__
+
+
+class GradientReduction:
+    """Mixed into ``FSDPParamGroup``: the gradient buffers and the post-backward.
+
+    Uses the group's plan, tables, mesh info, dtypes and the flags the API sets
+    (``reduce_grads``, ``all_reduce_grads``, ``gradient_divide_factor``,
+    ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
+
+    def _init_gradients(self) -> None:
+        self.preplace_grads = self.device.type == "cpu"
+        self._placed = False  # the aliases are the unsharded params' .grad now
+        self._versions: list[int] = []
+        # [No sync] accumulated unsharded gradients in the reduce dtype: either a
+        # per-param list, or (buffer in the unsharded layout, had-gradient mask).
+        self._accumulated: list[torch.Tensor | None] | None = None
+        self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
+        self._partial_reduce: torch.Tensor | None = None
+        self._grad_views = None
+
+    def _make_grad_aliases(self) -> None:
+        """The unsharded gradient buffer (storage freed) and one alias per
+        parameter that takes gradients; see [Note: Pre-placed gradients]."""
+        self.unsharded_grad = torch.empty(
+            self.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
+        )
+        storage = self.unsharded_grad.untyped_storage()
+        self._grad_aliases = [
+            alias_storage(storage, self.unsharded_grad, *layout) for layout in self._grad_layouts()
+        ]
+        storage.resize_(0)
+
+    def _grad_layouts(self) -> list[tuple[int, torch.Size, tuple[int, ...]]]:
+        """(unsharded offset, shape, stride) of each parameter that takes gradients."""
+        offsets = self.plan.unsharded_offsets.tolist()
+        return [(offsets[i], self.shapes[i], self.strides[i]) for i in self._grad_index]
+
+    def prepare_gradients(self) -> None:
+        """Point the unsharded ``.grad``s at a zeroed gradient buffer (before the
+        group's backward); a no-op where pre-placement is off or not possible."""
+        if not self.preplace_grads or self._placed or self.unsharded_params is None:
+            return
+        params = self._unsharded_with_grad
+        if not params or not all(map(_is_none, get_grads(params))):
+            return
+        storage = self.unsharded_grad.untyped_storage()
+        storage.resize_(self.unsharded_grad.numel() * self.unsharded_grad.element_size())
+        self.unsharded_grad.zero_()
+        set_grads(params, self._grad_aliases)
+        self._versions = list(map(_VERSION, self._grad_aliases))
+        self._placed = True
+
+    def _free_grad_buffer(self) -> None:
+        if self._placed:
+            self.unsharded_grad.untyped_storage().resize_(0)
+            self._placed = False
+
+    # ---------------------------------------------------------- post-backward
+
+    def post_backward(self) -> None:
+        """Reduce the gradients autograd left on the unsharded parameters into the
+        sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
+        self.post_backward_done = True
+        if self.unsharded_params is None:
+            return
+        params = self._unsharded_with_grad
+        grads = get_grads(params)
+        clear_grads(params)
+        with torch.no_grad():
+            if self._placed and all(map(operator.is_, grads, self._grad_aliases)):
+                had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
+                if any(had) or self._has_accumulated():
+                    self._reduce_buffer(self.unsharded_grad, had)
+            else:
+                if self._placed:  # some aliases still in place: untouched ones had nothing
+                    versions = map(_VERSION, self._grad_aliases)
+                    moved = list(map(operator.ne, versions, self._versions))
+                    aliased = list(map(operator.is_, grads, self._grad_aliases))
+                    grads = [
+                        None if a and not m else g
+                        for g, a, m in zip(grads, aliased, moved, strict=True)
+                    ]
+                if not all(map(_is_none, grads)) or self._has_accumulated():
+                    self._reduce_list(grads)
+        self._free_grad_buffer()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _has_accumulated(self) -> bool:
+        """Gradients kept by a no-sync backward are reduced by the next synced one,
+        even where it brings no new gradient (as FSDP2 does)."""
+        return self._accumulated is not None or self._accumulated_buffer is not None
+
+    def _buffer_as_list(self, buffer: torch.Tensor, had: list[bool]) -> list[torch.Tensor | None]:
+        views = [buffer.as_strided(s, st, off) for off, s, st in self._grad_layouts()]
+        return [v if h else None for v, h in zip(views, had, strict=True)]
+
+    def _reduce_buffer(self, buffer: torch.Tensor, had: list[bool]) -> None:
+        if self._accumulated is not None:  # mixed with a per-gradient step: go per gradient
+            self._reduce_list(self._buffer_as_list(buffer, had))
+            return
+        if self._accumulated_buffer is not None:
+            previous, previous_had = self._accumulated_buffer
+            self._accumulated_buffer = None
+            buffer = previous + buffer
+            had = list(map(operator.or_, had, previous_had))
+        if not self.reduce_grads:
+            self._accumulated_buffer = (buffer.to(self.reduce_dtype, copy=True), had)
+            return
+        division = self._division()
+        rs_in = self._reduce_scatter_input()
+        args = self.tables.reduce_scatter_flat_args()
+        OPS.reduce_scatter_copy_in_flat(buffer, rs_in, *args, division.pre)
+        self._reduce_scatter(rs_in, division, had)
+
+    def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
+        if self._accumulated_buffer is not None:
+            self._accumulated = self._buffer_as_list(*self._accumulated_buffer)
+            self._accumulated_buffer = None
+        if self._accumulated is not None:
+            dtype = self.reduce_dtype
+            grads = [
+                a if g is None else (g.to(dtype) if a is None else a + g)
+                for a, g in zip(self._accumulated, grads, strict=True)
+            ]
+            self._accumulated = None
+        if not self.reduce_grads:
+            # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does.
+            # A copy: a gradient may be an alias into the buffer freed next.
+            dtype = self.reduce_dtype
+            self._accumulated = [None if g is None else g.to(dtype, copy=True) for g in grads]
+            return
+        division = self._division()
+        full = [None] * len(self.shapes)
+        for i, g in zip(self._grad_index, grads, strict=True):
+            full[i] = g
+        rs_in = self._reduce_scatter_input()
+        OPS.reduce_scatter_copy_in(full, rs_in, *self.tables.reduce_scatter_args(), division.pre)
+        self._reduce_scatter(rs_in, division, [g is not None for g in grads])
+
+    def _division(self):
+        info = self.info
+        return gradient_division(
+            self.reduce_dtype,
+            info.shard_size,
+            info.replicate_size,
+            self.gradient_divide_factor,
+            self.force_sum_reduction,
+        )
+
+    def _reduce_scatter_input(self) -> torch.Tensor:
+        return torch.empty(
+            self.info.shard_size, self.plan.row_numel, dtype=self.reduce_dtype, device=self.device
+        )
+
+    def _reduce_scatter(self, rs_in: torch.Tensor, division, had_grad: list[bool]) -> None:
+        """Reduce-scatter (+ all-reduce across replicas), then the post-reduce."""
+        info, plan = self.info, self.plan
+        post = division.post
+        if info.shard_size > 1:
+            output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
+            reduce_scatter(
+                output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
+            )
+        else:
+            output = rs_in[0]
+            if self.gradient_divide_factor is not None and post == 1.0:
+                post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
+        if info.replicate_group is not None:
+            if not self.all_reduce_grads:
+                self._partial_reduce = (
+                    output if self._partial_reduce is None else self._partial_reduce + output
+                )
+                return
+            if self._partial_reduce is not None:
+                output = output + self._partial_reduce
+                self._partial_reduce = None
+            dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(output)
+        self._assign_grads(output, post, had_grad)
+
+    def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
+        """Post-reduce into the sharded gradient buffer, then make sure every
+        parameter that got a gradient has a ``.grad`` view of it."""
+        if self._grad_views is None:
+            self.grad_buffer = torch.zeros_like(self.sharded)
+            views = self._local_views(self.grad_buffer)
+            self._grad_views = [
+                self._sharded_view(views[i], self.shapes[i], self.strides[i])
+                for i in self._grad_index
+            ]
+        if output.device != self.grad_buffer.device:
+            output = output.to(self.grad_buffer.device)
+        current = get_grads(self._grad_params)
+        ours = list(map(operator.is_, current, self._grad_views))
+        if all(ours) and all(had_grad):
+            OPS.post_reduce(output, self.grad_buffer, divide, True)
+            return
+        if all(map(_is_none, current)) and all(had_grad):
+            OPS.post_reduce(output, self.grad_buffer, divide, False)
+            set_grads(self._grad_params, self._grad_views)
+            return
+        # Rare path (some gradients None or replaced by the user): per parameter.
+        fresh = torch.empty_like(self.grad_buffer)
+        OPS.post_reduce(output, fresh, divide, False)
+        fresh_views = self._local_views(fresh)
+        own_views = self._local_views(self.grad_buffer)
+        for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
+            if not had_grad[k]:
+                continue
+            if current[k] is None:
+                own_views[i].copy_(fresh_views[i])
+                p.grad = self._grad_views[k]
+            elif ours[k]:
+                own_views[i].add_(fresh_views[i])
+            else:
+                current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))
