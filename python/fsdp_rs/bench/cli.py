@@ -20,6 +20,7 @@ INIT_TORCH_MAX_PARAMS = 100_000
 DEFAULT_BLOCK_PARAMS = 100
 DEFAULT_WORLD_SIZE = 8
 DEFAULT_REPEAT = 5
+STEP_DEFAULT_REPEAT = 5
 COPY_CASES = ("a", "b", "c", "d")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
 COPY_DEFAULT_DTYPES = "fp32,bf16,fp32"
 COPY_CUDA_REPEAT = 50
@@ -371,8 +372,9 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
         help="time the per-step bookkeeping: fsdp-rs against torch FSDP2",
         description=(
             "Time forward + backward of the same model unsharded, sharded by fsdp-rs and "
-            "by torch FSDP2 (fake process group, rank 0 of W), interleaved step by step; the "
-            "bookkeeping overhead is a library's median step time minus the unsharded one."
+            "by torch FSDP2 (fake process group, rank 0 of W), in rounds (per model one "
+            "untimed and two timed steps); the bookkeeping overhead is the median over rounds "
+            "of a library's step time minus the unsharded one."
         ),
     )
     _add_training_options(p, STEP_DEFAULT_PARAMS)
@@ -380,8 +382,11 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
         "--repeat",
         metavar="K",
         type=positive_int,
-        default=DEFAULT_REPEAT,
-        help=f"timed steps per model; the median is reported (default: {DEFAULT_REPEAT})",
+        default=STEP_DEFAULT_REPEAT,
+        help=(
+            "rounds (per model: one untimed, two timed steps); medians over rounds are "
+            f"reported (default: {STEP_DEFAULT_REPEAT})"
+        ),
     )
     p.set_defaults(run=_run_training, parser=p, bench="step")
 

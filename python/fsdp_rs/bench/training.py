@@ -11,10 +11,15 @@ then the root. A block's forward uses every parameter once:
 
 [Note: Bookkeeping overhead]
 ``bench step`` times forward + backward of three copies of the model (unsharded,
-fsdp-rs, torch FSDP2), interleaved step by step so that a slow stretch of the
-machine hits all three alike, with ``zero_grad()`` before each step as in
-training. The per-step bookkeeping overhead of a sharding library is its median
-step time minus the unsharded model's.
+fsdp-rs, torch FSDP2), with ``zero_grad()`` before each step as in training.
+A round runs each model in turn for one untimed step and ``STEPS_PER_ROUND``
+timed ones: consecutive steps of one model, as in training (alternating models
+step by step would also charge every step the cache misses of re-reading its
+model's tens of thousands of tensor objects after the other models evicted
+them). Rounds alternate the models so that a slow stretch of the machine hits
+all three alike. The per-step bookkeeping overhead of a sharding library is the
+median over rounds of its round time (median of the timed steps) minus the
+unsharded model's in the same round.
 """
 
 from __future__ import annotations
@@ -148,6 +153,15 @@ def _step(model: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+STEPS_PER_ROUND = 2
+
+
+def _paired_overhead(sharded: list[float], unsharded: list[float]) -> float:
+    """Median over rounds of the sharded step minus the unsharded step of the same
+    round (interleaved, so a slow stretch of the machine cancels out)."""
+    return statistics.median(a - b for a, b in zip(sharded, unsharded, strict=True))
+
+
 def bench_step(
     n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0
 ) -> dict[str, Any]:
@@ -162,15 +176,17 @@ def bench_step(
         if library != "unsharded":
             shard_model(models[library], library)
     x = torch.randn(4)
-    for model in models.values():  # warm-up step (lazy init, grad views)
+    for model in models.values():  # first step: lazy init, gradient views
         _step(model, x)
     samples: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeat):
         for name, model in models.items():
-            samples[name].append(_step(model, x))
+            _step(model, x)  # untimed: brings this model back into the caches
+            timed = [_step(model, x) for _ in range(STEPS_PER_ROUND)]
+            samples[name].append(statistics.median(timed))
     step = {name: statistics.median(s) for name, s in samples.items()}
-    fsdp_rs_s = step["fsdp_rs"] - step["unsharded"]
-    torch_s = step["torch"] - step["unsharded"]
+    fsdp_rs_s = _paired_overhead(samples["fsdp_rs"], samples["unsharded"])
+    torch_s = _paired_overhead(samples["torch"], samples["unsharded"])
     return {
         "bench": "step",
         "n_params": n_params,

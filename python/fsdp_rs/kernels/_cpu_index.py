@@ -14,6 +14,7 @@ about one unsharded buffer's worth of int32 per group.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -29,16 +30,23 @@ _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor
 
 def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], torch.Tensor]):
     key = (tuple(map(id, tables)), extra)
-    versions = tuple(t._version for t in tables)
+    versions = tuple(map(_VERSION, tables))
     hit = _CACHE.get(key)
     if hit is not None:
         refs, seen, index = hit
-        if seen == versions and all(r() is t for r, t in zip(refs, tables, strict=True)):
+        if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
             return index
     index = build()
     refs = tuple(weakref.ref(t, lambda _, key=key: _CACHE.pop(key, None)) for t in tables)
     _CACHE[key] = (refs, versions, index)
     return index
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _call(f: Callable):
+    return f()
 
 
 def _index_dtype(bound: int) -> torch.dtype:

@@ -17,6 +17,8 @@ exact either way.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -45,7 +47,7 @@ def check_post_reduce(
             f"{OP}: reduce_scatter_output has {reduce_scatter_output.numel()} elements but "
             f"sharded_grad has {sharded_grad.numel()}; both must hold plan.row_numel elements"
         )
-    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+    if not (divide_factor > 0 and math.isfinite(divide_factor)):
         raise ValueError(
             f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
             "pass 1.0 for no division"

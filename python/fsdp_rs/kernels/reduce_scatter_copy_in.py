@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 
@@ -78,7 +79,7 @@ def check_reduce_scatter_copy_in(
             f"{OP}: got {len(grads)} gradients for a plan of {num_params} params; pass one "
             "entry per param in plan order (None for a param without a gradient)"
         )
-    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+    if not (divide_factor > 0 and math.isfinite(divide_factor)):
         raise ValueError(
             f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
             "pass 1.0 for no division"

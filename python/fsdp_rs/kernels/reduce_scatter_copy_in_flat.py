@@ -13,6 +13,8 @@ tensor argument, nothing per param.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -62,7 +64,7 @@ def check_reduce_scatter_copy_in_flat(
             ("tile_param", tile_param),
         ],
     )
-    if not (divide_factor > 0 and np.isfinite(divide_factor)):
+    if not (divide_factor > 0 and math.isfinite(divide_factor)):
         raise ValueError(
             f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
             "pass 1.0 for no division"

@@ -18,10 +18,11 @@ Each copy has a CPU impl (plain torch), a CUDA impl (one Triton launch) and a
 fake impl. ``GroupTables.from_plan`` gives the table arguments for a plan.
 """
 
-from fsdp_rs.ops import copies, set_
+from fsdp_rs.ops import set_
 from fsdp_rs.ops._library import NAMESPACE, SCHEMAS
+from fsdp_rs.ops.copies import EagerOps
 from fsdp_rs.ops.tables import GroupTables
 
-del copies, set_
+del set_
 
-__all__ = ["NAMESPACE", "SCHEMAS", "GroupTables"]
+__all__ = ["NAMESPACE", "SCHEMAS", "EagerOps", "GroupTables"]

@@ -16,7 +16,7 @@ from fsdp_rs.kernels import reduce_scatter_copy_in as rs_copy_in
 from fsdp_rs.kernels import reduce_scatter_copy_in_flat as rs_copy_in_flat
 from fsdp_rs.ops._library import LIB, NAMESPACE
 
-__all__: list[str] = []
+__all__ = ["EagerOps"]
 
 _IMPLS = {
     "all_gather_copy_in": (
@@ -58,3 +58,34 @@ for _name, (_cpu, _cuda, _check) in _IMPLS.items():
     LIB.impl(_name, _cpu, "CPU")
     LIB.impl(_name, _cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake(_check), lib=LIB)
+
+
+class EagerOps:
+    """The copy ops for buffers on one device: in eager mode the device's impl
+    called directly, under tracing (``torch.compiler.is_compiling()``) the
+    ``torch.ops.fsdp_rs`` op.
+
+    [Note: Eager op calls]
+    The torch.library ops are what tracing sees and what users call. Outside
+    tracing, a call through the dispatcher boxes its arguments (about ten,
+    one a tensor list) and unboxes them into the Python impl: 5 to 15 us per
+    call, and the runtime makes six per group per training step. The runtime
+    therefore calls the impl the dispatcher would pick (CPU: the torch
+    reference, CUDA: the Triton launcher) itself; both paths run the same
+    function with the same checks. Devices without an impl go through the
+    dispatcher, which raises its usual error."""
+
+    def __init__(self, device: torch.device) -> None:
+        column = {"cpu": 0, "cuda": 1}.get(torch.device(device).type)
+        self._impls = {
+            name: getattr(torch.ops.fsdp_rs, name) if column is None else impls[column]
+            for name, impls in _IMPLS.items()
+        }
+
+    def __getattr__(self, name: str):
+        if torch.compiler.is_compiling():
+            return getattr(torch.ops.fsdp_rs, name)
+        try:
+            return self._impls[name]
+        except KeyError:
+            raise AttributeError(name) from None

@@ -36,7 +36,6 @@ from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, set_gr
 
 __all__ = ["GradientReduction"]
 
-OPS = torch.ops.fsdp_rs
 _VERSION = operator.attrgetter("_version")
 _is_none = functools.partial(operator.is_, None)  # `None in tensors` calls Tensor.__eq__
 
@@ -151,7 +150,7 @@ class GradientReduction:
         division = self._division()
         rs_in = self._reduce_scatter_input()
         args = self.tables.reduce_scatter_flat_args()
-        OPS.reduce_scatter_copy_in_flat(buffer, rs_in, *args, division.pre)
+        self.ops.reduce_scatter_copy_in_flat(buffer, rs_in, *args, division.pre)
         self._reduce_scatter(rs_in, division, had)
 
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
@@ -176,7 +175,9 @@ class GradientReduction:
         for i, g in zip(self._grad_index, grads, strict=True):
             full[i] = g
         rs_in = self._reduce_scatter_input()
-        OPS.reduce_scatter_copy_in(full, rs_in, *self.tables.reduce_scatter_args(), division.pre)
+        self.ops.reduce_scatter_copy_in(
+            full, rs_in, *self.tables.reduce_scatter_args(), division.pre
+        )
         self._reduce_scatter(rs_in, division, [g is not None for g in grads])
 
     def _division(self):
@@ -236,15 +237,15 @@ class GradientReduction:
         current = get_grads(self._grad_params)
         ours = list(map(operator.is_, current, self._grad_views))
         if all(ours) and all(had_grad):
-            OPS.post_reduce(output, self.grad_buffer, divide, True)
+            self.shard_ops.post_reduce(output, self.grad_buffer, divide, True)
             return
         if all(map(_is_none, current)) and all(had_grad):
-            OPS.post_reduce(output, self.grad_buffer, divide, False)
+            self.shard_ops.post_reduce(output, self.grad_buffer, divide, False)
             set_grads(self._grad_params, self._grad_views)
             return
         # Rare path (some gradients None or replaced by the user): per parameter.
         fresh = torch.empty_like(self.grad_buffer)
-        OPS.post_reduce(output, fresh, divide, False)
+        self.shard_ops.post_reduce(output, fresh, divide, False)
         fresh_views = self._local_views(fresh)
         own_views = self._local_views(self.grad_buffer)
         for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):

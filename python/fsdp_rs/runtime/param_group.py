@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
-from fsdp_rs.ops import GroupTables
+from fsdp_rs.ops import EagerOps, GroupTables
 from fsdp_rs.planning import plan_group, shapes_to_arrays
 from fsdp_rs.runtime.collectives import all_gather
 from fsdp_rs.runtime.gradients import GradientReduction
@@ -31,8 +31,6 @@ from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
 
 __all__ = ["FSDPParamGroup", "ShardedState"]
-
-OPS = torch.ops.fsdp_rs
 
 
 class ShardedState(enum.Enum):
@@ -144,6 +142,8 @@ class FSDPParamGroup(GradientReduction):
             post_forward_world_size=post_forward_size,
         )
         self.tables = GroupTables.from_plan(self.plan, self.device)
+        self.ops = EagerOps(self.device)  # [Note: Eager op calls]
+        self.shard_ops = EagerOps(self.shard_device)
         self._specs = _Specs(info)
         # Contiguous strides are those of the full, padded and sharded shapes alike.
         self.strides = self._per_param(self.plan.contiguous_strides)
@@ -341,8 +341,9 @@ class FSDPParamGroup(GradientReduction):
     # --------------------------------------------------------------- unshard
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start the all-gather (copy-in + collective); ``wait_for_unshard``
-        finishes it (copy-out). A no-op when unsharded or already started."""
+        """Start the all-gather (copy-in where a cast is needed, then the
+        collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
+        unsharded or already started."""
         if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
             return
         if self.unsharded_params is None:
@@ -363,12 +364,23 @@ class FSDPParamGroup(GradientReduction):
                 sharded = self.sharded
                 if sharded.device != self.device:
                     sharded = sharded.to(self.device, non_blocking=True)
-                OPS.all_gather_copy_in(sharded, ag, info.shard_rank)
-                work = None
-                if info.shard_size > 1:
+                if info.shard_size > 1 and sharded.dtype == ag.dtype:
+                    # No cast to fuse: the sharded buffer has the row layout, so
+                    # it is the all-gather input as it is (no copy-in).
                     work = all_gather(
-                        ag.view(-1), ag[info.shard_rank], group=info.shard_group, async_op=async_op
+                        ag.view(-1), sharded, group=info.shard_group, async_op=async_op
                     )
+                    self._keep = sharded
+                else:
+                    self.ops.all_gather_copy_in(sharded, ag, info.shard_rank)
+                    work = None
+                    if info.shard_size > 1:
+                        work = all_gather(
+                            ag.view(-1),
+                            ag[info.shard_rank],
+                            group=info.shard_group,
+                            async_op=async_op,
+                        )
         self._pending_unshard = (work if async_op else None, ag)
         if not async_op:
             self.wait_for_unshard()
@@ -386,7 +398,7 @@ class FSDPParamGroup(GradientReduction):
             work.wait()
         self._alloc_unsharded()
         with torch.no_grad():
-            OPS.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+            self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
         if self.post_forward_group is not None:
             size = self.info.shard_size // self.post_forward_size
             first = (self.info.shard_rank % self.post_forward_size) * size

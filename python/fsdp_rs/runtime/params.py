@@ -79,6 +79,8 @@ class ManagedParams:
         self.slot_dicts = slot_dicts
         self.slot_names = slot_names
         self.slot_index = slot_index
+        # No shared parameters: slot k holds parameter k.
+        self._one_slot_each = slot_index == list(range(len(slot_index)))
 
     def registered(self) -> list[torch.Tensor]:
         """The objects registered now, one per parameter (first slot of each)."""
@@ -95,8 +97,9 @@ class ManagedParams:
     def swap(self, objects: Sequence[torch.Tensor]) -> None:
         """Register ``objects[i]`` in every slot of parameter ``i``; see
         [Note: Swapping registered parameters]."""
-        expanded = list(map(objects.__getitem__, self.slot_index))
-        deque(map(operator.setitem, self.slot_dicts, self.slot_names, expanded), maxlen=0)
+        if not self._one_slot_each:
+            objects = list(map(objects.__getitem__, self.slot_index))
+        deque(map(operator.setitem, self.slot_dicts, self.slot_names, objects), maxlen=0)
 
 
 def _is_managed_elsewhere(module: nn.Module) -> bool:

@@ -75,6 +75,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None
         self._modules_done = 0
+        self._forward_index = -1
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -129,7 +130,9 @@ class FSDPState:
         group = self.group
         if group is not None and self._modules_done == 0:
             if torch.is_grad_enabled():
-                self.context.forward_order.append(self)
+                order = self.context.forward_order
+                self._forward_index = len(order)
+                order.append(self)
             group.unshard()
             group.wait_for_unshard()
             for other in self.forward_prefetch:
@@ -164,20 +167,32 @@ class FSDPState:
     # -------------------------------------------------------------- backward
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
+        if not kwargs and all(map(_is_tensor, args)):  # the common case: no pytree walk
+            flat, spec = list(args), None
+        else:
+            flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
     def _register_pre_backward(self, output: Any) -> Any:
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if tensors:
+        if isinstance(output, torch.Tensor):  # the common case: no pytree walk
+            tensors = [output] if output.requires_grad else []
+        else:
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+        if len(tensors) == 1:
+            # One tensor's hook runs once per backward: what the multi-grad hook's
+            # "any" mode adds (a lock and a per-backward flag) is not needed.
+            tensors[0].register_hook(self._pre_backward)
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
 
@@ -202,11 +217,10 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         order = self.context.forward_order
-        try:
-            i = order.index(self)
-        except ValueError:
-            return []
-        return [order[i - 1]] if i > 0 else []
+        i = self._forward_index  # where this state last ran forward (O(1), not order.index)
+        if 0 <= i < len(order) and order[i] is self:
+            return [order[i - 1]] if i > 0 else []
+        return []
 
     def post_backward(self) -> None:
         if self.group is not None and not self.group.post_backward_done:
@@ -227,6 +241,10 @@ class FSDPState:
             group.post_backward_done = False
             state._modules_done = 0
         context.forward_order = []
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
