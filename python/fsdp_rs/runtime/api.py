@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import chain, repeat
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -81,9 +81,9 @@ def fully_shard(
         )  # fmt: skip
     if group is not None:
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
-        # Both the original parameters and the sharded ones that replace them.
-        owned = chain(managed.params, group.sharded_params)
-        deque(map(setattr, owned, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
+        # The originals, which other modules may still register (a shared
+        # parameter); a sharded one met elsewhere is refused as a DTensor.
+        deque(map(setattr, managed.params, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
         managed.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:

@@ -146,8 +146,7 @@ class FSDPParamGroup(GradientReduction):
         self.shard_ops = EagerOps(self.shard_device)
         self._specs = _Specs(info)
         # Contiguous strides are those of the full, padded and sharded shapes alike.
-        self.strides = self._per_param(self.plan.contiguous_strides)
-        self._sharded_sizes = self._per_param(self.plan.sharded_sizes)
+        self.strides, self._sharded_sizes = self._per_param_layouts()
         self.post_forward_group = (
             _post_forward_group(info, post_forward_size)
             if post_forward_size not in (None, 1, info.shard_size)
@@ -245,10 +244,28 @@ class FSDPParamGroup(GradientReduction):
         self.managed.swap(self.sharded_params)
 
     def _fill_sharded(self, full: Sequence[torch.Tensor], views: list[torch.Tensor]) -> None:
-        """Copy this rank's rows of every full parameter into its sharded view
-        (two C-level passes: ``narrow`` then one ``_foreach_copy_``)."""
-        plan = self.plan
-        starts = np.minimum(plan.chunk_rows * self.info.shard_rank, self._first_dims)
+        """Copy this rank's rows of every full parameter into the sharded buffer.
+
+        ``torch._chunk_cat`` (one C call, no per-param views) pads and chunks
+        every param as FSDP2 shards them, giving all ranks' rows without the
+        alignment gaps; this rank's row is then placed by one ``index_copy_``.
+        It refuses empty tensors: a group with one takes the per-param path
+        (C-level ``narrow`` then one ``_foreach_copy_``)."""
+        plan, info = self.plan, self.info
+        padded = plan.padded_sharded_numel
+        if len(padded) and padded.min() > 0:
+            row = torch._chunk_cat(full, 0, info.shard_size)[info.shard_rank]
+            row = row.to(self.sharded.device)
+            if row.numel() == plan.row_numel:  # no gaps
+                self.sharded.copy_(row)
+            else:
+                # Column of every element of the row: param p's n elements start
+                # at row_offsets[p] instead of at the running sum of the n's.
+                shift = plan.row_offsets - (np.cumsum(padded) - padded)
+                cols = np.arange(row.numel()) + np.repeat(shift, padded)
+                self.sharded.index_copy_(0, torch.from_numpy(cols).to(row.device), row)
+            return
+        starts = np.minimum(plan.chunk_rows * info.shard_rank, self._first_dims)
         sources = list(
             map(
                 torch.Tensor.narrow,
@@ -260,10 +277,21 @@ class FSDPParamGroup(GradientReduction):
         )
         torch._foreach_copy_(views, sources)
 
-    def _per_param(self, table) -> list[tuple[int, ...]]:
-        """Split a concatenated per-dim plan table into one tuple per param."""
-        flat, bounds = table.tolist(), self.plan.dim_offsets.tolist()
-        return [tuple(flat[a:b]) for a, b in itertools.pairwise(bounds)]
+    def _per_param_layouts(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Each param's contiguous strides and sharded size, as tuples. Both are
+        functions of the param's shape, so they are read from the plan once per
+        distinct shape and looked up per param in C (``map`` over a dict)."""
+        plan, shapes = self.plan, self.shapes
+        # Distinct shapes -> index of their first param (later duplicates are
+        # overwritten by earlier ones: the pairs are fed in reverse).
+        first = dict(zip(reversed(shapes), range(len(shapes) - 1, -1, -1), strict=True))
+        bounds = plan.dim_offsets.tolist()
+        strides, sizes = plan.contiguous_strides.tolist(), plan.sharded_sizes.tolist()
+        stride_of, size_of = {}, {}
+        for shape, i in first.items():
+            stride_of[shape] = tuple(strides[bounds[i] : bounds[i + 1]])
+            size_of[shape] = tuple(sizes[bounds[i] : bounds[i + 1]])
+        return list(map(stride_of.__getitem__, shapes)), list(map(size_of.__getitem__, shapes))
 
     def _sharded_view(self, local: torch.Tensor, shape: torch.Size, stride) -> DTensor:
         """A DTensor (not a parameter) over ``local``, this rank's shard."""
@@ -276,7 +304,9 @@ class FSDPParamGroup(GradientReduction):
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         dtype = self.sharded.dtype
-        specs = list(map(self._specs, self.shapes, self.strides, itertools.repeat(dtype)))
+        distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
+        spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
+        specs = list(map(spec_of.__getitem__, self.shapes))
         self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
