@@ -247,3 +247,20 @@ def test_original_parameters_are_released(fake2):
     shard(model)
     gc.collect()
     assert [r() for r in originals] == [None] * len(originals)
+
+
+def test_gc_state_is_restored(fake2):
+    """fully_shard pauses the cyclic GC ([Note: GC during fully_shard]) and leaves
+    it as it found it, also when it raises."""
+    assert gc.isenabled()
+    fully_shard(nn.Linear(2, 2))
+    assert gc.isenabled()
+    with pytest.raises(TypeError, match="nn.Module"):
+        fully_shard("not a module")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        fully_shard(nn.Linear(2, 2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -4,6 +4,7 @@ same names, arguments and semantics as torch FSDP2."""
 from __future__ import annotations
 
 import functools
+import gc
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
@@ -27,6 +28,31 @@ _CLASS_CACHE: dict[type, type] = {}
 _OWNER_ATTR = "_fsdp_rs_owner"
 
 
+def _gc_paused(fn: Callable) -> Callable:
+    """Run ``fn`` with CPython's cyclic GC paused (restored after, also on error).
+
+    [Note: GC during fully_shard]
+    ``fully_shard`` creates about three long-lived objects per parameter (the
+    sharded DTensor, its ``__dict__``, its local view). Each time the objects
+    surviving collections grow by a quarter, CPython runs a full collection that
+    traverses every object in the process, the model's included: at 1e6
+    parameters that was 6 full passes, 7 s of 21 s. With the GC paused, the
+    objects are traversed once, at the next collection after sharding."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return wrapper
+
+
+@_gc_paused
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
