@@ -255,7 +255,7 @@ def test_gc_state_is_restored(fake2):
     assert gc.isenabled()
     fully_shard(nn.Linear(2, 2))
     assert gc.isenabled()
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"an nn\.Module"):
         fully_shard("not a module")
     assert gc.isenabled()
     gc.disable()
