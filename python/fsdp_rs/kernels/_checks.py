@@ -6,13 +6,16 @@ so the checks are cheap and never synchronize a device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "check_divide_factor",
     "check_float",
+    "check_layout_tables",
     "check_same_device",
     "check_table",
     "check_tile_table",
@@ -77,3 +80,33 @@ def check_tile_table(
     check_table(op, "tile_start", tile_start, torch.int64, num_tiles)
     check_table(op, "tile_len", tile_len, torch.int32, num_tiles)
     return num_tiles
+
+
+def check_divide_factor(op: str, divide_factor: float) -> None:
+    if not (divide_factor > 0 and math.isfinite(divide_factor)):
+        raise ValueError(
+            f"{op}: divide_factor must be a finite number > 0, got {divide_factor}; "
+            "pass 1.0 for no division"
+        )
+
+
+def check_layout_tables(
+    op: str,
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    tile_param: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_len: torch.Tensor,
+) -> int:
+    """The tables that map the row layout to the unsharded-buffer layout agree
+    on the number of params, which is returned."""
+    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
+    for name, table in (
+        ("row_offsets", row_offsets),
+        ("unsharded_offsets", unsharded_offsets),
+        ("padded_numel", padded_numel),
+    ):
+        check_table(op, name, table, torch.int64, num_params)
+    check_tile_table(op, tile_param, tile_start, tile_len)
+    return num_params

@@ -20,7 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
+from fsdp_rs.kernels._checks import (
+    check_float,
+    check_layout_tables,
+    check_same_device,
+)
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._segments import segment_columns
 from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
@@ -50,14 +54,9 @@ def check_all_gather_copy_out(
     With one param the two layouts coincide (its unsharded offset is 0), so a
     single ``out`` tensor always means the group buffer."""
     check_float(OP, "all_gather_output", all_gather_output, 2)
-    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
-    for name, table in (
-        ("row_offsets", row_offsets),
-        ("unsharded_offsets", unsharded_offsets),
-        ("padded_numel", padded_numel),
-    ):
-        check_table(OP, name, table, torch.int64, num_params)
-    check_tile_table(OP, tile_param, tile_start, tile_len)
+    num_params = check_layout_tables(
+        OP, row_offsets, unsharded_offsets, padded_numel, tile_param, tile_start, tile_len
+    )
     if len(out) not in (1, num_params):
         raise ValueError(
             f"{OP}: out must hold the group's unsharded buffer (1 tensor) or one tensor per "

@@ -17,12 +17,10 @@ exact either way.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from fsdp_rs.kernels._checks import check_float, check_same_device
+from fsdp_rs.kernels._checks import check_divide_factor, check_float, check_same_device
 from fsdp_rs.kernels._triton import cdiv, jit, require_triton, tl
 
 __all__ = ["check_post_reduce", "torch_post_reduce", "triton_post_reduce"]
@@ -47,11 +45,7 @@ def check_post_reduce(
             f"{OP}: reduce_scatter_output has {reduce_scatter_output.numel()} elements but "
             f"sharded_grad has {sharded_grad.numel()}; both must hold plan.row_numel elements"
         )
-    if not (divide_factor > 0 and math.isfinite(divide_factor)):
-        raise ValueError(
-            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
-            "pass 1.0 for no division"
-        )
+    check_divide_factor(OP, divide_factor)
 
 
 def torch_post_reduce(

@@ -15,7 +15,9 @@ call: O(P) Python attribute reads and one 16 B/param host-to-device copy, the
 same scheme torch's own ``_chunk_cat`` CUDA kernel uses. The alternatives cost
 more bandwidth: concatenating first adds a full read and write of every
 gradient, and pre-placing gradients in a group buffer makes autograd accumulate
-into zeroed memory (a memset plus a read-modify-write). The numel column bounds
+into zeroed memory (a memset plus a read-modify-write; the runtime does that on
+CPU only, where op count rather than bandwidth is the cost: [Note: Pre-placed
+gradients] in ``runtime/gradients.py``). The numel column bounds
 every read, so a wrong-sized gradient can never make the kernel read outside it.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import operator
 from collections.abc import Sequence
 
@@ -32,6 +33,7 @@ import torch
 
 from fsdp_rs.kernels._checks import (
     FLOAT_DTYPES,
+    check_divide_factor,
     check_float,
     check_same_device,
     check_table,
@@ -79,11 +81,7 @@ def check_reduce_scatter_copy_in(
             f"{OP}: got {len(grads)} gradients for a plan of {num_params} params; pass one "
             "entry per param in plan order (None for a param without a gradient)"
         )
-    if not (divide_factor > 0 and math.isfinite(divide_factor)):
-        raise ValueError(
-            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
-            "pass 1.0 for no division"
-        )
+    check_divide_factor(OP, divide_factor)
 
 
 def _check_grad(i: int, g: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:

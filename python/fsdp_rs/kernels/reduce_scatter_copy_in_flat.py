@@ -13,12 +13,15 @@ tensor argument, nothing per param.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from fsdp_rs.kernels._checks import check_float, check_same_device, check_table, check_tile_table
+from fsdp_rs.kernels._checks import (
+    check_divide_factor,
+    check_float,
+    check_layout_tables,
+    check_same_device,
+)
 from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
 from fsdp_rs.kernels._triton import jit, require_triton, tl
 
@@ -47,14 +50,9 @@ def check_reduce_scatter_copy_in_flat(
     tables are read: the CPU index build; the kernel clamps every read)."""
     check_float(OP, "grad_buffer", grad_buffer, 1)
     check_float(OP, "reduce_scatter_input", reduce_scatter_input, 2)
-    num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
-    for name, table in (
-        ("row_offsets", row_offsets),
-        ("unsharded_offsets", unsharded_offsets),
-        ("padded_numel", padded_numel),
-    ):
-        check_table(OP, name, table, torch.int64, num_params)
-    check_tile_table(OP, tile_param, tile_start, tile_len)
+    check_layout_tables(
+        OP, row_offsets, unsharded_offsets, padded_numel, tile_param, tile_start, tile_len
+    )
     check_same_device(
         OP,
         [
@@ -64,11 +62,7 @@ def check_reduce_scatter_copy_in_flat(
             ("tile_param", tile_param),
         ],
     )
-    if not (divide_factor > 0 and math.isfinite(divide_factor)):
-        raise ValueError(
-            f"{OP}: divide_factor must be a finite number > 0, got {divide_factor}; "
-            "pass 1.0 for no division"
-        )
+    check_divide_factor(OP, divide_factor)
 
 
 def torch_reduce_scatter_copy_in_flat(

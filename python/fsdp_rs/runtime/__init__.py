@@ -4,6 +4,7 @@ Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
 ``mesh`` (process groups of a device mesh), ``params`` (sharded and unsharded
 parameter views of the group buffers), ``collectives`` (gradient divide
 factors), ``param_group`` (one planner call, buffers and the transitions),
+``gradients`` (gradient buffers and the post-backward reduction),
 ``state`` (module hooks, root and lazy init) and ``api`` (``fully_shard`` and
 ``FSDPModule``).
 """
