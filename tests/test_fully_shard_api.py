@@ -264,3 +264,22 @@ def test_gc_state_is_restored(fake2):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_is_last_backward(gloo1):
+    """Not the last backward: the forward order (for implicit prefetching) and an
+    unshard started but not used survive it; the last backward clears both."""
+    model = shard(mlp())
+    model[0].requires_grad_(False)  # model[0]'s output needs no gradient: no backward unshard
+    group = model[0]._state.group
+    x = torch.ones(2, 5)
+    for last in (False, True):
+        model.set_is_last_backward(last)
+        out = model(x)
+        model[0].unshard(async_op=True)
+        assert group.unshard_pending
+        out.sum().backward()
+        context = model._state.context
+        assert group.unshard_pending == (not last)
+        assert bool(context.forward_order) == (not last)
+    assert group.state == ShardedState.SHARDED and isinstance(model[0].weight, DTensor)

@@ -195,6 +195,10 @@ class FSDPModule:
         return UnshardHandle(group) if async_op else None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step; while
+        False, the end of backward keeps the forward order (for implicit backward
+        prefetching) and unshards started but not used, for the next backward."""
+        self._state.is_last_backward = is_last_backward  # read at lazy init
         if self._state.context is not None:
             self._state.context.is_last_backward = is_last_backward
 
@@ -232,6 +236,7 @@ class FSDPModule:
         self._state.backward_prefetch = [m._state for m in modules]
 
     def set_post_optim_event(self, event: torch.Event) -> None:
+        self._state.post_optim_event = event  # read at lazy init
         if self._state.context is not None:
             self._state.context.post_optim_event = event
 

@@ -123,7 +123,9 @@ class GradientReduction:
                 if not all(map(_is_none, grads)) or self._has_accumulated():
                     self._reduce_list(grads)
         self._free_grad_buffer()
-        if self.reshard_after_backward:
+        # A pending (prefetched) unshard is left to the end of backward, which
+        # keeps it unless this is the last backward.
+        if self.reshard_after_backward and not self.unshard_pending:
             self.reshard()
 
     def _has_accumulated(self) -> bool:

@@ -308,10 +308,17 @@ class FSDPParamGroup(GradientReduction):
         spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
         specs = list(map(spec_of.__getitem__, self.shapes))
         self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
+        self._read_requires_grad()
+        self.unsharded_params: list[nn.Parameter] | None = None
+
+    def _read_requires_grad(self) -> None:
+        """Which parameters take gradients, from the sharded ones: read again when
+        the unsharded parameters are made (the first unshard), so that freezing
+        sharded parameters before the first forward takes effect."""
+        self.requires_grad = [p.requires_grad for p in self.sharded_params]
         self._grad_params = [p for p in self.sharded_params if p.requires_grad]
         self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
         self._grad_views: list[DTensor] | None = None
-        self.unsharded_params: list[nn.Parameter] | None = None
 
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced
@@ -342,6 +349,7 @@ class FSDPParamGroup(GradientReduction):
         self.managed.swap(self.sharded_params)
 
     def _make_unsharded_params(self) -> None:
+        self._read_requires_grad()
         plan = self.plan
         self.unsharded = torch.empty(
             plan.unsharded_numel, dtype=self.param_dtype, device=self.device
@@ -369,6 +377,11 @@ class FSDPParamGroup(GradientReduction):
             storage.resize_(nbytes)
 
     # --------------------------------------------------------------- unshard
+
+    @property
+    def unshard_pending(self) -> bool:
+        """An unshard was started (``async_op``) and not yet waited for."""
+        return self._pending_unshard is not None
 
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather (copy-in where a cast is needed, then the

@@ -76,6 +76,9 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self._modules_done = 0
         self._forward_index = -1
+        # Set before lazy init: the root's go to the context.
+        self.is_last_backward = True
+        self.post_optim_event = None
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -104,6 +107,8 @@ class FSDPState:
                         "each module, or load a checkpoint"
                     )
         context = Context(states)
+        context.is_last_backward = self.is_last_backward
+        context.post_optim_event = self.post_optim_event
         for state in states:
             state.context = context
             state.is_root = state is self
@@ -236,11 +241,16 @@ class FSDPState:
                 continue
             if not group.post_backward_done:
                 group.post_backward()
-            if group.reshard_after_backward or group.state == ShardedState.SHARDED_POST_FORWARD:
+            # Not the last backward (set_is_last_backward(False), as with pipeline
+            # schedules): an unshard started but not used stays for the next one.
+            keep = not context.is_last_backward and group.unshard_pending
+            post_forward = group.state == ShardedState.SHARDED_POST_FORWARD
+            if (group.reshard_after_backward or post_forward) and not keep:
                 group.reshard()
             group.post_backward_done = False
             state._modules_done = 0
-        context.forward_order = []
+        if context.is_last_backward:
+            context.forward_order = []  # otherwise the next backward prefetches by it
 
 
 def _is_tensor(x: Any) -> bool:
