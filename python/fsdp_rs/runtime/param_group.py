@@ -89,6 +89,10 @@ class _Specs:
         return spec
 
 
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_dtensor = DTensor.__new__
 
 
@@ -126,8 +130,8 @@ class FSDPParamGroup(GradientReduction):
         self.reduce_dtype = mp_policy.reduce_dtype or param_dtype
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
-        self.shapes = [p.shape for p in params]
-        self.requires_grad = [p.requires_grad for p in params]
+        self.shapes = list(map(_SHAPE, params))
+        self.requires_grad = list(map(_REQUIRES_GRAD, params))
         self.post_forward_size = post_forward_size
         ndims, dims = shapes_to_arrays(self.shapes)
         self._first_dims = dims[np.cumsum(ndims) - ndims]
@@ -173,7 +177,7 @@ class FSDPParamGroup(GradientReduction):
     # ------------------------------------------------------------------ init
 
     def _check_params(self, params: list[nn.Parameter]) -> None:
-        devices = {p.device for p in params}
+        devices = set(map(_DEVICE, params))
         if len(devices) > 1:
             listing = ", ".join(
                 f"{fqn}: {p.device}" for fqn, p in zip(self.managed.fqns, params, strict=True)
@@ -189,13 +193,21 @@ class FSDPParamGroup(GradientReduction):
                     f"{self.device}; move the module to {self.device} or build the mesh "
                     f"for {device.type}"
                 )
-        dtypes = {p.dtype for p in params}
+        dtypes = set(map(_DTYPE, params))
         if len(dtypes) > 1:
             raise NotImplementedError(
                 f"fully_shard: one group holds parameters of dtypes {sorted(map(str, dtypes))}; "
                 "fsdp-rs shards one dtype per group: apply fully_shard separately to the "
                 "submodules of each dtype"
             )
+        # C-level passes first; the loop below names the first offender.
+        if (
+            not any(map(isinstance, params, itertools.repeat(DTensor)))
+            and all(map(torch.Tensor.dim, params))
+            and all(map(torch.Tensor.is_floating_point, params))
+            and all(map(torch.Tensor.is_contiguous, params))
+        ):
+            return
         for fqn, p in zip(self.managed.fqns, params, strict=True):
             if isinstance(p, DTensor):
                 raise ValueError(
@@ -253,7 +265,7 @@ class FSDPParamGroup(GradientReduction):
         (C-level ``narrow`` then one ``_foreach_copy_``)."""
         plan, info = self.plan, self.info
         padded = plan.padded_sharded_numel
-        if len(padded) and padded.min() > 0:
+        if len(padded) and np.count_nonzero(padded) == len(padded):
             row = torch._chunk_cat(full, 0, info.shard_size)[info.shard_rank]
             row = row.to(self.sharded.device)
             if row.numel() == plan.row_numel:  # no gaps
@@ -315,9 +327,9 @@ class FSDPParamGroup(GradientReduction):
         """Which parameters take gradients, from the sharded ones: read again when
         the unsharded parameters are made (the first unshard), so that freezing
         sharded parameters before the first forward takes effect."""
-        self.requires_grad = [p.requires_grad for p in self.sharded_params]
-        self._grad_params = [p for p in self.sharded_params if p.requires_grad]
-        self._grad_index = [i for i, p in enumerate(self.sharded_params) if p.requires_grad]
+        self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
+        self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
+        self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_views: list[DTensor] | None = None
 
     def adopt_registered(self) -> None:
