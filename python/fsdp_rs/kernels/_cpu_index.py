@@ -53,6 +53,24 @@ def _index_dtype(bound: int) -> torch.dtype:
     return torch.int32 if bound < 2**31 else torch.int64
 
 
+def _element_pairs(
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    world_size: int,
+    row_numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat, unsharded)``: every element of every param's padded chunk, as its
+    position in the flat rows ``[W, S]`` and in the unsharded layout (chunk
+    ``r`` of param ``p`` at ``unsharded_offsets[p] + r * n``). Both int64, in the
+    same order."""
+    seg, pos, cols = segment_columns(row_offsets, padded_numel)
+    ranks = torch.arange(world_size)[:, None]
+    flat = (cols + ranks * row_numel).view(-1)
+    unsharded = (unsharded_offsets[seg] + ranks * padded_numel[seg] + pos).view(-1)
+    return flat, unsharded
+
+
 def copy_out_index(
     row_offsets: torch.Tensor,
     unsharded_offsets: torch.Tensor,
@@ -68,10 +86,9 @@ def copy_out_index(
     it; the gaps are never written otherwise."""
 
     def build() -> tuple[torch.Tensor | None, torch.Tensor]:
-        seg, pos, cols = segment_columns(row_offsets, padded_numel)
-        ranks = torch.arange(world_size)[:, None]
-        dst = (unsharded_offsets[seg] + pos + ranks * padded_numel[seg]).view(-1)
-        src = (cols + ranks * row_numel).view(-1)
+        src, dst = _element_pairs(
+            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
+        )
         src_dtype = _index_dtype(world_size * row_numel)
         if dst.numel() == out_numel:
             index = torch.empty(out_numel, dtype=src_dtype)
@@ -123,10 +140,9 @@ def reduce_scatter_buffer_index(
     there are none), which are zeros; the buffer needs ``bound`` elements."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        seg, pos, cols = segment_columns(row_offsets, padded_numel)
-        ranks = torch.arange(world_size)[:, None]
-        src = (unsharded_offsets[seg] + ranks * padded_numel[seg] + pos).view(-1)
-        dst = (cols + ranks * row_numel).view(-1)
+        dst, src = _element_pairs(
+            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
+        )
         index = torch.zeros(world_size * row_numel, dtype=torch.int64)
         index[dst] = src
         gap = torch.ones(world_size * row_numel, dtype=torch.bool)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -20,7 +21,16 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
-__all__ = ["TL_DTYPES", "cdiv", "jit", "pointer_table", "require_triton", "tl", "triton"]
+__all__ = [
+    "TL_DTYPES",
+    "cdiv",
+    "f32_reciprocal",
+    "jit",
+    "pointer_table",
+    "require_triton",
+    "tl",
+    "triton",
+]
 
 
 def require_triton() -> None:
@@ -51,6 +61,12 @@ def pointer_table(
     table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
     table = table.to(device, non_blocking=True)
     return table[0], table[1]
+
+
+def f32_reciprocal(divide_factor: float) -> float:
+    """``1 / divide_factor`` rounded to float32, what CUDA kernels multiply by
+    ([Note: Division by a scalar] in post_reduce.py)."""
+    return float(np.float32(1.0) / np.float32(divide_factor))
 
 
 def cdiv(a: int, b: int) -> int:

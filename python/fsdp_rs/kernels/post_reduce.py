@@ -17,11 +17,10 @@ exact either way.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from fsdp_rs.kernels._checks import check_divide_factor, check_float, check_same_device
-from fsdp_rs.kernels._triton import cdiv, jit, require_triton, tl
+from fsdp_rs.kernels._triton import cdiv, f32_reciprocal, jit, require_triton, tl
 
 __all__ = ["check_post_reduce", "torch_post_reduce", "triton_post_reduce"]
 
@@ -100,7 +99,7 @@ def triton_post_reduce(
     numel = sharded_grad.numel()
     if numel == 0:
         return
-    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    inv = f32_reciprocal(divide_factor)
     _post_reduce_kernel[(cdiv(numel, BLOCK),)](
         reduce_scatter_output,
         sharded_grad,

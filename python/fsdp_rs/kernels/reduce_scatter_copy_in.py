@@ -40,7 +40,14 @@ from fsdp_rs.kernels._checks import (
     check_tile_table,
 )
 from fsdp_rs.kernels._cpu_index import reduce_scatter_flat_index
-from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
+from fsdp_rs.kernels._triton import (
+    TL_DTYPES,
+    f32_reciprocal,
+    jit,
+    pointer_table,
+    require_triton,
+    tl,
+)
 
 __all__ = [
     "check_reduce_scatter_copy_in",
@@ -268,7 +275,7 @@ def triton_reduce_scatter_copy_in(
             keep_alive.append(g)
         entries.append((g.data_ptr(), g.numel()))
     grad_ptrs, grad_numel = pointer_table(entries, device)
-    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    inv = f32_reciprocal(divide_factor)
     _rs_copy_in_kernel[(num_tiles, world_size)](
         grad_ptrs,
         grad_numel,

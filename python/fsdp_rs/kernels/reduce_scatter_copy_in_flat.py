@@ -13,7 +13,6 @@ tensor argument, nothing per param.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from fsdp_rs.kernels._checks import (
@@ -23,7 +22,7 @@ from fsdp_rs.kernels._checks import (
     check_same_device,
 )
 from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
-from fsdp_rs.kernels._triton import jit, require_triton, tl
+from fsdp_rs.kernels._triton import f32_reciprocal, jit, require_triton, tl
 
 __all__ = [
     "check_reduce_scatter_copy_in_flat",
@@ -162,7 +161,7 @@ def triton_reduce_scatter_copy_in_flat(
     num_tiles = tile_param.numel()
     if num_tiles == 0 or world_size == 0:
         return
-    inv = float(np.float32(1.0) / np.float32(divide_factor))
+    inv = f32_reciprocal(divide_factor)
     _rs_copy_in_flat_kernel[(num_tiles, world_size)](
         grad_buffer,
         reduce_scatter_input,

@@ -107,18 +107,18 @@ class GradientReduction:
         grads = get_grads(params)
         clear_grads(params)
         with torch.no_grad():
-            if self._placed and all(map(operator.is_, grads, self._grad_aliases)):
+            aliased: list[bool] = []
+            if self._placed:  # an alias whose version did not move got no gradient
                 had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
+                aliased = list(map(operator.is_, grads, self._grad_aliases))
+            if aliased and all(aliased):
                 if any(had) or self._has_accumulated():
                     self._reduce_buffer(self.unsharded_grad, had)
             else:
-                if self._placed:  # some aliases still in place: untouched ones had nothing
-                    versions = map(_VERSION, self._grad_aliases)
-                    moved = list(map(operator.ne, versions, self._versions))
-                    aliased = list(map(operator.is_, grads, self._grad_aliases))
+                if aliased:  # some replaced (by the user, or create_graph=True)
                     grads = [
-                        None if a and not m else g
-                        for g, a, m in zip(grads, aliased, moved, strict=True)
+                        None if a and not h else g
+                        for g, a, h in zip(grads, aliased, had, strict=True)
                     ]
                 if not all(map(_is_none, grads)) or self._has_accumulated():
                     self._reduce_list(grads)
