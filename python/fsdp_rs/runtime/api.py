@@ -192,7 +192,10 @@ class FSDPModule:
             return UnshardHandle(None) if async_op else None
         group.adopt_registered()
         group.unshard(async_op=async_op)
-        return UnshardHandle(group) if async_op else None
+        if async_op:
+            return UnshardHandle(group)
+        group.wait_for_unshard()
+        return None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step; while
@@ -249,8 +252,11 @@ class FSDPModule:
             group.force_sum_reduction = enable
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call ``hook(gradients)`` on each reduce-scatter output (after HSDP's
+        all-reduce); without HSDP it runs on ``stream`` if given."""
         for group in self._groups(False):
             group.all_reduce_hook = hook
+            group.all_reduce_hook_stream = stream
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         for group in self._groups(False):

@@ -56,6 +56,9 @@ class GradientReduction:
         self._accumulated: list[torch.Tensor | None] | None = None
         self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
         self._partial_reduce: torch.Tensor | None = None
+        # (reduce-scatter output, event of its last use) when used off the reduce-scatter stream
+        self._reduce_state: tuple | None = None
+        self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
         self._grad_views = None
 
     def _make_grad_aliases(self) -> None:
@@ -198,31 +201,71 @@ class GradientReduction:
         )
 
     def _reduce_scatter(self, rs_in: torch.Tensor, division, had_grad: list[bool]) -> None:
-        """Reduce-scatter (+ all-reduce across replicas), then the post-reduce."""
-        info, plan = self.info, self.plan
+        """Reduce-scatter (+ all-reduce across replicas, + the user's hook), then
+        the post-reduce, on the streams of [Note: Streams]."""
+        info, plan, streams = self.info, self.plan, self.streams
         post = division.post
-        if info.shard_size > 1:
-            output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
-            reduce_scatter(
-                output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
-            )
-        else:
-            output = rs_in[0]
-            if self.gradient_divide_factor is not None and post == 1.0:
-                post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
-        if info.replicate_group is not None:
-            if not self.all_reduce_grads:
-                self._partial_reduce = (
-                    output if self._partial_reduce is None else self._partial_reduce + output
+        rs_stream = post_stream = None
+        if streams.enabled:
+            self.release_reduce_state()
+            streams.begin_reduction()
+            rs_stream = post_stream = streams.reduce_scatter
+        with streams.on(rs_stream):
+            if info.shard_size > 1:
+                output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
+                reduce_scatter(
+                    output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
                 )
-                return
-            if self._partial_reduce is not None:
-                output = output + self._partial_reduce
-                self._partial_reduce = None
-            dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(output)
-        self._assign_grads(output, post, had_grad)
+            else:
+                output = rs_in[0]
+                if self.gradient_divide_factor is not None and post == 1.0:
+                    post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
+            rs_event = streams.record(rs_stream)
+            if info.replicate_group is not None:
+                # [No all-reduce] the replicas' partial gradients are summed here
+                # until a backward all-reduces them (on this stream: it made them).
+                if self._partial_reduce is not None:
+                    output = output + self._partial_reduce
+                    self._partial_reduce = None
+                if not self.all_reduce_grads:
+                    self._partial_reduce = output
+                    self._end_reduction(rs_in, rs_event, rs_stream, streams.record(rs_stream), None)
+                    return
+        hook = self.all_reduce_hook
+        if info.replicate_group is not None or hook is not None:
+            if streams.enabled:
+                post_stream = streams.all_reduce
+                if info.replicate_group is None and self.all_reduce_hook_stream is not None:
+                    post_stream = self.all_reduce_hook_stream
+                post_stream.wait_stream(rs_stream)
+            with streams.on(post_stream):
+                if info.replicate_group is not None:
+                    dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
+                if hook is not None:
+                    hook(output)
+        with streams.on(post_stream):
+            self._assign_grads(output, post, had_grad)
+            post_event = streams.record(post_stream)
+        # One rank: the post-reduce read the input itself.
+        rs_in_event = post_event if info.shard_size == 1 else rs_event
+        self._end_reduction(rs_in, rs_in_event, post_stream, post_event, output)
+
+    def _end_reduction(self, rs_in, rs_in_event, post_stream, post_event, output) -> None:
+        """Keep what the streams still use; see [Note: Cross-stream lifetimes]."""
+        streams = self.streams
+        if not streams.enabled:
+            return
+        streams.keep_reduce_scatter_input(rs_in, rs_in_event)
+        streams.note_post_reduce(post_stream, post_event)
+        if post_stream is not streams.reduce_scatter:
+            self._reduce_state = (output, post_event)
+
+    def release_reduce_state(self) -> None:
+        """Release this group's last reduce-scatter output read on another
+        stream, after the compute stream waits for that stream's use of it."""
+        if self._reduce_state is not None:
+            self.streams.wait_current(self._reduce_state[1])
+            self._reduce_state = None
 
     def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
         """Post-reduce into the sharded gradient buffer, then make sure every

@@ -29,6 +29,7 @@ from fsdp_rs.runtime.collectives import all_gather
 from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
+from fsdp_rs.runtime.streams import NO_STREAMS
 
 __all__ = ["FSDPParamGroup", "ShardedState"]
 
@@ -167,7 +168,10 @@ class FSDPParamGroup(GradientReduction):
         self.force_sum_reduction = False
         self.reshard_after_forward: bool | int = True
         self.post_backward_done = False
-        self._pending_unshard = None  # (work, all-gather output) of an async unshard
+        # (work of an async collective, all-gather output, its event, all-gather input)
+        self._pending_unshard: tuple | None = None
+        self.streams = NO_STREAMS  # the root's, from lazy init
+        self._post_forward_event = None  # recorded after the post-forward rows' clone
         self._post_forward_rows: torch.Tensor | None = None
         # (all-gather output, first row, rows) this rank keeps at a post-forward reshard
         self._ag_rows: tuple[torch.Tensor, int, int] | None = None
@@ -393,63 +397,78 @@ class FSDPParamGroup(GradientReduction):
 
     @property
     def unshard_pending(self) -> bool:
-        """An unshard was started (``async_op``) and not yet waited for."""
+        """An unshard was started and its copy-out not yet run."""
         return self._pending_unshard is not None
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
         """Start the all-gather (copy-in where a cast is needed, then the
         collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
-        unsharded or already started."""
+        unsharded or already started. ``side_streams``: called by a hook, run on
+        the all-gather streams (see [Note: Streams])."""
         if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
             return
         if self.unsharded_params is None:
             self._make_unsharded_params()
-        info, plan = self.info, self.plan
-        ag = torch.empty(
-            info.shard_size, plan.row_numel, dtype=self.param_dtype, device=self.device
-        )
+        streams = self.streams
+        # Rows kept at a post-forward reshard were written on the compute stream.
+        streams.all_gather_streams_wait(self._post_forward_event)
+        self._post_forward_event = None
+        copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
+        info = self.info
+        group = info.shard_group
         with torch.no_grad():
             if self.state == ShardedState.SHARDED_POST_FORWARD:
-                rows = self._post_forward_rows
+                source, ag = self._post_forward_rows, None
                 self._post_forward_rows = None
-                work = all_gather(
-                    ag.view(-1), rows.view(-1), group=self.post_forward_group, async_op=async_op
-                )
-                self._keep = rows
+                group = self.post_forward_group
             else:
-                sharded = self.sharded
-                if sharded.device != self.device:
-                    sharded = sharded.to(self.device, non_blocking=True)
-                if info.shard_size > 1 and sharded.dtype == ag.dtype:
-                    # No cast to fuse: the sharded buffer has the row layout, so
-                    # it is the all-gather input as it is (no copy-in).
-                    work = all_gather(
-                        ag.view(-1), sharded, group=info.shard_group, async_op=async_op
-                    )
-                    self._keep = sharded
-                else:
-                    self.ops.all_gather_copy_in(sharded, ag, info.shard_rank)
-                    work = None
-                    if info.shard_size > 1:
-                        work = all_gather(
-                            ag.view(-1),
-                            ag[info.shard_rank],
-                            group=info.shard_group,
-                            async_op=async_op,
-                        )
-        self._pending_unshard = (work if async_op else None, ag)
-        if not async_op:
-            self.wait_for_unshard()
+                source, ag = self.sharded, None
+                with streams.on(copy_in_stream):
+                    if source.device != self.device:  # CPU offload
+                        source = source.to(self.device, non_blocking=True)
+                    if source.dtype != self.param_dtype:  # one launch: the cast
+                        ag = self._all_gather_output()
+                        self.ops.all_gather_copy_in(source, ag, info.shard_rank)
+                        source = ag[info.shard_rank]
+                    # else no cast to fuse: the sharded buffer (row layout) is the
+                    # all-gather input as it is
+                if ag_stream is not None:
+                    ag_stream.wait_stream(copy_in_stream)
+            with streams.on(ag_stream):
+                work = None
+                if info.shard_size > 1:
+                    ag = self._all_gather_output() if ag is None else ag
+                    work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
+                elif ag is None:
+                    ag = source.view(1, -1)  # one rank: its row is the whole output
+                event = streams.record(ag_stream)
+        self._pending_unshard = (work if async_op else None, ag, event, source)
 
-    def wait_for_unshard(self) -> None:
+    def prefetch(self) -> None:
+        """Start the unshard of a group about to run: on the side streams where
+        there are streams, else with an asynchronous collective."""
+        self.unshard(async_op=not self.streams.enabled, side_streams=True)
+
+    def _all_gather_output(self) -> torch.Tensor:
+        return torch.empty(
+            self.info.shard_size, self.plan.row_numel, dtype=self.param_dtype, device=self.device
+        )
+
+    def wait_for_unshard(self, defer_release: bool = False) -> None:
+        """Finish the unshard (start it first if needed): wait for the all-gather,
+        copy out, register the unsharded parameters. ``defer_release``: in
+        forward, keep the all-gather output until the next group's wait (see
+        [Note: Cross-stream lifetimes])."""
         if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
             return
         if self._pending_unshard is None:
             self.unshard()
-            return
-        work, ag = self._pending_unshard
+        work, ag, event, source = self._pending_unshard
         self._pending_unshard = None
-        self._keep = None
+        streams = self.streams
+        if defer_release:
+            streams.flush_all_gather()
+        streams.wait_current(event)
         if work is not None:
             work.wait()
         self._alloc_unsharded()
@@ -459,6 +478,7 @@ class FSDPParamGroup(GradientReduction):
             size = self.info.shard_size // self.post_forward_size
             first = (self.info.shard_rank % self.post_forward_size) * size
             self._ag_rows = (ag, first, size)
+        streams.release_after((ag, source), streams.record(), defer_release and work is None)
         self.state = ShardedState.UNSHARDED
         self.managed.swap(self.unsharded_params)
 
@@ -469,6 +489,7 @@ class FSDPParamGroup(GradientReduction):
             self.wait_for_unshard()
         if self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
             self._post_forward_rows = None
+            self._post_forward_event = None
             self.state = ShardedState.SHARDED
         if self.state != ShardedState.UNSHARDED:
             return
@@ -476,6 +497,10 @@ class FSDPParamGroup(GradientReduction):
         if keep_rows:
             ag, first, size = self._ag_rows
             self._post_forward_rows = ag[first : first + size].clone()
+            # The clone read the all-gather output on the compute stream: release
+            # it after that, and the next unshard reads the rows after it too.
+            self._post_forward_event = self.streams.record()
+            self.streams.release_after((ag,), self._post_forward_event, defer=True)
         self._ag_rows = None
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED

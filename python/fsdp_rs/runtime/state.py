@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
+from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
 
@@ -35,8 +36,9 @@ __all__ = ["Context", "FSDPState"]
 class Context:
     """Per-root state shared by all fsdp-rs states under one root."""
 
-    def __init__(self, states: list[FSDPState]) -> None:
+    def __init__(self, states: list[FSDPState], streams: CommStreams) -> None:
         self.states = states
+        self.streams = streams
         self.forward_order: list[FSDPState] = []
         self.callback_queued = False
         self.is_last_backward = True
@@ -106,7 +108,10 @@ class FSDPState:
                         "before forward: model.to_empty(device=...) then reset_parameters() on "
                         "each module, or load a checkpoint"
                     )
-        context = Context(states)
+        groups = [state.group for state in states if state.group is not None]
+        context = Context(states, CommStreams(groups[0].device) if groups else NO_STREAMS)
+        for group in groups:
+            group.streams = context.streams
         context.is_last_backward = self.is_last_backward
         context.post_optim_event = self.post_optim_event
         for state in states:
@@ -138,11 +143,11 @@ class FSDPState:
                 order = self.context.forward_order
                 self._forward_index = len(order)
                 order.append(self)
-            group.unshard()
-            group.wait_for_unshard()
+            group.unshard(side_streams=True)
+            group.wait_for_unshard(defer_release=True)
             for other in self.forward_prefetch:
                 if other.group is not None:
-                    other.group.unshard(async_op=True)
+                    other.group.prefetch()
         if torch.is_grad_enabled() and group is not None:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -151,9 +156,9 @@ class FSDPState:
         context = self.context
         if torch.is_grad_enabled():
             context.forward_order = []
-        if context.post_optim_event is not None:
-            torch.cuda.current_stream().wait_event(context.post_optim_event)
-            context.post_optim_event = None
+        # The all-gathers read the sharded buffers the optimizer wrote.
+        context.streams.all_gather_streams_wait_current(context.post_optim_event)
+        context.post_optim_event = None
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         _in_forward.remove(self)
@@ -165,6 +170,8 @@ class FSDPState:
                 if group.reshard_after_forward is not False:
                     group.reshard(after_forward=True)
             output = self._register_pre_backward(output)
+        if self.is_root:
+            self.context.streams.flush_all_gather()  # the last group's all-gather output
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
@@ -211,12 +218,12 @@ class FSDPState:
             return
         group.post_backward_done = False
         if group.state != ShardedState.UNSHARDED and group.unshard_in_backward:
-            group.unshard()
+            group.unshard(side_streams=True)
             group.wait_for_unshard()
         group.prepare_gradients()
         for other in self._backward_prefetch_targets():
             if other.group is not None and other.group.unshard_in_backward:
-                other.group.unshard(async_op=True)
+                other.group.prefetch()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
@@ -249,6 +256,11 @@ class FSDPState:
                 group.reshard()
             group.post_backward_done = False
             state._modules_done = 0
+        if context.streams.enabled:
+            context.streams.end_of_backward()
+            for state in context.states:
+                if state.group is not None:
+                    state.group.release_reduce_state()
         if context.is_last_backward:
             context.forward_order = []  # otherwise the next backward prefetches by it
 
