@@ -8,6 +8,7 @@ reference (plain model, gradients averaged with ``all_reduce``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_rs.demo import Transformer
+from stream_sim import simulated_streams
 
 STEPS = 5
 
@@ -64,6 +66,19 @@ SCENARIOS: dict[str, dict] = {
     "mlp_ignored": {"ignored": 2, "layout_differs": True},
     "mlp_hsdp": {"hsdp": True, "min_world": 4},
     "transformer_compiled_blocks": {"model": "transformer", "compile": True},
+    # fsdp-rs with a simulated accelerator's streams (tests/stream_sim.py) and its race checker
+    "mlp_streams": {"streams": True},
+    "transformer_bf16_streams": {
+        "model": "transformer",
+        "mp": (torch.bfloat16, torch.float32),
+        "streams": True,
+    },
+    "mlp_hsdp_streams": {"hsdp": True, "min_world": 4, "streams": True},
+    "mlp_reshard_int_streams": {
+        "kwargs": {"reshard_after_forward": 2},
+        "min_world": 4,
+        "streams": True,
+    },
 }
 
 
@@ -74,12 +89,12 @@ def _build(spec: dict) -> nn.Module:
     return mlp(spec.get("dims", (16, 33, 7, 13, 5)))
 
 
-def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
-    """Losses and final full parameters; ``fs=None`` trains the replicated reference."""
+def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=None):
+    """Losses and final full parameters; ``fs=None`` trains the replicated reference.
+    ``checker``: a stream_sim race checker to run the steps under."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     model = _build(spec)
-    transformer = spec.get("model") == "transformer"
     if spec.get("frozen") is not None:
         for p in model[spec["frozen"]].parameters():
             p.requires_grad_(False)
@@ -114,8 +129,24 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
         if spec.get("compile"):
             for block in model.blocks:
                 block.forward = torch.compile(block.forward)
+        if checker is not None:
+            for module in model.modules():
+                state = getattr(module, "_fsdp_rs_state", None)
+                if state is not None and state.group is not None:
+                    state.group.preplace_grads = False  # as on an accelerator
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
+    with checker or contextlib.nullcontext():
+        _steps(spec, model, opt, fs, world_size, rank, losses)
+    params = [
+        p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
+    ]
+    ignored_local = [p.detach() for p in ignored] if ignored else []
+    return losses, [t.tolist() for t in params + ignored_local]
+
+
+def _steps(spec, model, opt, fs, world_size: int, rank: int, losses: list) -> None:
+    transformer = spec.get("model") == "transformer"
     for step in range(STEPS):
         micro = 2 if spec.get("accumulate") else 1
         for k in range(micro):
@@ -133,11 +164,6 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int):
                     p.grad /= world_size
         opt.step()
         opt.zero_grad()
-    params = [
-        p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
-    ]
-    ignored_local = [p.detach() for p in ignored] if ignored else []
-    return losses, [t.tolist() for t in params + ignored_local]
 
 
 def checkpoint_round_trip(out_dir: str, world_size: int) -> dict:
@@ -194,8 +220,14 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
         spec = SCENARIOS[name]
         try:
             torch_run = train(spec, torch_fully_shard, world_size, rank)
-            ours = train(spec, fsdp_rs.fully_shard, world_size, rank)
+            if spec.get("streams"):
+                with simulated_streams() as (_, checker):
+                    ours = train(spec, fsdp_rs.fully_shard, world_size, rank, checker)
+            else:
+                ours = train(spec, fsdp_rs.fully_shard, world_size, rank)
             result = {"torch": torch_run, "fsdp_rs": ours}
+            if spec.get("streams"):
+                result["violations"] = checker.violations
             if name in ("mlp", "transformer_tied"):
                 result["replicated"] = train(spec, None, world_size, rank)
         except Exception:

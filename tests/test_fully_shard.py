@@ -42,6 +42,7 @@ def _check(per_rank, name, exact=True):
     for rank, results in enumerate(per_rank):
         result = results[name]
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        assert result.get("violations", []) == [], f"rank {rank}: stream races"
         t_losses, t_params = result["torch"]
         f_losses, f_params = result["fsdp_rs"]
         if exact:
@@ -83,6 +84,7 @@ def test_checkpoint_round_trip(results):
     for rank, r in enumerate(per_rank):
         result = r["checkpoint"]
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        assert result.get("violations", []) == [], f"rank {rank}: stream races"
         assert result == {
             "fsdp_rs": True,
             "fsdp_rs_grads": True,
