@@ -5,6 +5,7 @@ Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
 parameter views of the group buffers), ``collectives`` (gradient divide
 factors), ``param_group`` (one planner call, buffers and the transitions),
 ``gradients`` (gradient buffers and the post-backward reduction),
+``streams`` (side streams, events and cross-stream lifetimes on accelerators),
 ``state`` (module hooks, root and lazy init) and ``api`` (``fully_shard`` and
 ``FSDPModule``).
 """
