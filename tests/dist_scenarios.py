@@ -133,7 +133,7 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=N
             for module in model.modules():
                 state = getattr(module, "_fsdp_rs_state", None)
                 if state is not None and state.group is not None:
-                    state.group.use_grad_buffer = False  # as on an accelerator
+                    state.group.preplace_grads = False  # as on an accelerator
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     with checker or contextlib.nullcontext():

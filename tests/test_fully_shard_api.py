@@ -148,10 +148,10 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_gradients_match_autograd(gloo1, reshard_after_forward):
-    """Every way gradients reach a group (see [Note: Gradient buffer on CPU]): a
-    param without a gradient keeps ``.grad`` None (the list path); two
-    contributions in one backward; accumulation over backwards with and without
-    gradient sync, mixing the buffer and list paths; ``create_graph=True``.
+    """Every way gradients reach a group (see [Note: Pre-placed gradients]): a
+    param without a gradient keeps ``.grad`` None; two contributions in one
+    backward; accumulation over backwards with and without gradient sync;
+    ``create_graph=True``, where autograd replaces the pre-placed ``.grad``.
     With one rank the first backward's gradients equal plain autograd's bit for
     bit; accumulated ones differ by summation order only."""
     reference = Branchy()

@@ -68,7 +68,7 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     for group in _groups(model):
-        group.use_grad_buffer = False  # what an accelerator does ([Note: Gradient buffer on CPU])
+        group.preplace_grads = False  # what an accelerator does ([Note: Pre-placed gradients])
     if config.get("prefetch"):
         for a, b in itertools.pairwise(layers):
             a.set_modules_to_forward_prefetch([b])

@@ -14,9 +14,10 @@ the kernel reads them through a table of (address, numel) int64 pairs built per
 call: O(P) Python attribute reads and one 16 B/param host-to-device copy, the
 same scheme torch's own ``_chunk_cat`` CUDA kernel uses. The alternatives cost
 more bandwidth: concatenating first adds a full read and write of every
-gradient (the runtime does that on CPU only, where op count rather than
-bandwidth is the cost: [Note: Gradient buffer on CPU] in
-``runtime/gradients.py``). The numel column bounds
+gradient, and pre-placing gradients in a group buffer makes autograd accumulate
+into zeroed memory (a memset plus a read-modify-write; the runtime does that on
+CPU only, where op count rather than bandwidth is the cost: [Note: Pre-placed
+gradients] in ``runtime/gradients.py``). The numel column bounds
 every read, so a wrong-sized gradient can never make the kernel read outside it.
 """
 

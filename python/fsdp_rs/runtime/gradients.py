@@ -2,24 +2,25 @@
 unsharded gradients, and the post-backward that reduces them into the sharded
 ``.grad`` DTensors.
 
-[Note: Gradient buffer on CPU]
-On CPU, autograd leaves each unsharded parameter a fresh gradient, which it
-hands over without a copy (as without FSDP). The post-backward then copies the
-group's gradients into one buffer in the unsharded layout (a storage resize
-and one ``_foreach_copy_``) and reduces the whole group from it with one
-``reduce_scatter_copy_in_flat``: no per-parameter flatten, cat or checks.
+[Note: Pre-placed gradients]
+On CPU, before a group's backward (its pre-backward hook), the group allocates
+a gradient buffer in the unsharded layout (one storage resize and one
+``zero_``) and points every unsharded parameter's ``.grad`` at its piece of it,
+an alias with its own version counter (as in [Note: Unsharded parameter
+versions]). Autograd then adds into the buffer in place instead of handing
+over a fresh tensor per parameter, and the post-backward reads the whole group
+with one ``reduce_scatter_copy_in_flat``: no per-parameter flatten, cat or
+checks. Which parameters received a gradient is read off the aliases' version
+counters; one whose counter did not move is treated as having none (its sharded
+``.grad`` stays as it was, as in FSDP2).
 
-Letting autograd accumulate into views of such a buffer instead (pointing each
-``.grad`` at one before backward) would save the copy, but autograd's in-place
-accumulation costs about 4 us per parameter (its checks and version bump around
-an ``add_``) where the foreach copy costs about 0.5 us.
-
-Where a parameter that takes gradients got none (an unused branch), the group
-reduces from the list autograd left (``reduce_scatter_copy_in``), which skips
-it, as FSDP2 leaves such a parameter's ``.grad`` as it was. On CUDA the list
-path is the default: the pointer-table copy-in reads each gradient once, where
-the buffer would add a write and a read of every gradient ([Note: Pointer
-tables]).
+Anything else (a ``.grad`` the user set or cleared in between, a gradient that
+arrived before the hook, ``create_graph=True`` replacing the alias) is noticed
+by identity and takes the per-gradient path: ``reduce_scatter_copy_in`` over
+the list autograd left. On CUDA that path is the default: in-place
+accumulation would add one kernel launch per parameter and a memset plus a
+read-modify-write of the buffer, where the pointer-table copy-in reads each
+gradient once ([Note: Pointer tables]).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
-from fsdp_rs.runtime.params import clear_grads, get_grads, set_grads
+from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, set_grads
 
 __all__ = ["GradientReduction"]
 
+_VERSION = operator.attrgetter("_version")
 _is_none = functools.partial(operator.is_, None)  # `None in tensors` calls Tensor.__eq__
 
 
@@ -46,7 +48,9 @@ class GradientReduction:
     ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
 
     def _init_gradients(self) -> None:
-        self.use_grad_buffer = self.device.type == "cpu"  # [Note: Gradient buffer on CPU]
+        self.preplace_grads = self.device.type == "cpu"
+        self._placed = False  # the aliases are the unsharded params' .grad now
+        self._versions: list[int] = []
         # [No sync] accumulated unsharded gradients in the reduce dtype: either a
         # per-param list, or (buffer in the unsharded layout, had-gradient mask).
         self._accumulated: list[torch.Tensor | None] | None = None
@@ -57,22 +61,42 @@ class GradientReduction:
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
         self._grad_views = None
 
-    def _make_grad_buffer(self) -> None:
-        """The unsharded gradient buffer (storage freed) and a view of it per
-        parameter that takes gradients; see [Note: Gradient buffer on CPU]."""
+    def _make_grad_aliases(self) -> None:
+        """The unsharded gradient buffer (storage freed) and one alias per
+        parameter that takes gradients; see [Note: Pre-placed gradients]."""
         self.unsharded_grad = torch.empty(
             self.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
         )
-        self._grad_buffer_views = [
-            self.unsharded_grad.as_strided(shape, stride, offset)
-            for offset, shape, stride in self._grad_layouts()
+        storage = self.unsharded_grad.untyped_storage()
+        self._grad_aliases = [
+            alias_storage(storage, self.unsharded_grad, *layout) for layout in self._grad_layouts()
         ]
-        self.unsharded_grad.untyped_storage().resize_(0)
+        storage.resize_(0)
 
     def _grad_layouts(self) -> list[tuple[int, torch.Size, tuple[int, ...]]]:
         """(unsharded offset, shape, stride) of each parameter that takes gradients."""
         offsets = self.plan.unsharded_offsets.tolist()
         return [(offsets[i], self.shapes[i], self.strides[i]) for i in self._grad_index]
+
+    def prepare_gradients(self) -> None:
+        """Point the unsharded ``.grad``s at a zeroed gradient buffer (before the
+        group's backward); a no-op where pre-placement is off or not possible."""
+        if not self.preplace_grads or self._placed or self.unsharded_params is None:
+            return
+        params = self._unsharded_with_grad
+        if not params or not all(map(_is_none, get_grads(params))):
+            return
+        storage = self.unsharded_grad.untyped_storage()
+        storage.resize_(self.unsharded_grad.numel() * self.unsharded_grad.element_size())
+        self.unsharded_grad.zero_()
+        set_grads(params, self._grad_aliases)
+        self._versions = list(map(_VERSION, self._grad_aliases))
+        self._placed = True
+
+    def _free_grad_buffer(self) -> None:
+        if self._placed:
+            self.unsharded_grad.untyped_storage().resize_(0)
+            self._placed = False
 
     # ---------------------------------------------------------- post-backward
 
@@ -86,15 +110,22 @@ class GradientReduction:
         grads = get_grads(params)
         clear_grads(params)
         with torch.no_grad():
-            if self.use_grad_buffer and grads and not any(map(_is_none, grads)):
-                buffer = self.unsharded_grad
-                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-                torch._foreach_copy_(self._grad_buffer_views, grads)
-                del grads
-                self._reduce_buffer(buffer, [True] * len(params))
-                buffer.untyped_storage().resize_(0)
-            elif not all(map(_is_none, grads)) or self._has_accumulated():
-                self._reduce_list(grads)
+            aliased: list[bool] = []
+            if self._placed:  # an alias whose version did not move got no gradient
+                had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
+                aliased = list(map(operator.is_, grads, self._grad_aliases))
+            if aliased and all(aliased):
+                if any(had) or self._has_accumulated():
+                    self._reduce_buffer(self.unsharded_grad, had)
+            else:
+                if aliased:  # some replaced (by the user, or create_graph=True)
+                    grads = [
+                        None if a and not h else g
+                        for g, a, h in zip(grads, aliased, had, strict=True)
+                    ]
+                if not all(map(_is_none, grads)) or self._has_accumulated():
+                    self._reduce_list(grads)
+        self._free_grad_buffer()
         # A pending (prefetched) unshard is left to the end of backward, which
         # keeps it unless this is the last backward.
         if self.reshard_after_backward and not self.unshard_pending:
@@ -140,7 +171,7 @@ class GradientReduction:
             self._accumulated = None
         if not self.reduce_grads:
             # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does.
-            # A copy: a gradient may be a view of the gradient buffer, freed next.
+            # A copy: a gradient may be an alias into the buffer freed next.
             dtype = self.reduce_dtype
             self._accumulated = [None if g is None else g.to(dtype, copy=True) for g in grads]
             return

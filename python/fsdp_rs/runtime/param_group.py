@@ -380,8 +380,8 @@ class FSDPParamGroup(GradientReduction):
             )
         ]
         self._unsharded_with_grad = [self.unsharded_params[i] for i in self._grad_index]
-        if self.use_grad_buffer:
-            self._make_grad_buffer()
+        if self.preplace_grads:
+            self._make_grad_aliases()
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:

@@ -220,6 +220,7 @@ class FSDPState:
         if group.state != ShardedState.UNSHARDED and group.unshard_in_backward:
             group.unshard(side_streams=True)
             group.wait_for_unshard()
+        group.prepare_gradients()
         for other in self._backward_prefetch_targets():
             if other.group is not None and other.group.unshard_in_backward:
                 other.group.prefetch()
