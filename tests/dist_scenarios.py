@@ -66,6 +66,15 @@ SCENARIOS: dict[str, dict] = {
     "mlp_ignored": {"ignored": 2, "layout_differs": True},
     "mlp_hsdp": {"hsdp": True, "min_world": 4},
     "transformer_compiled_blocks": {"model": "transformer", "compile": True},
+    # one group holding fp32 and (frozen, as FSDP2 requires) bf16 parameters,
+    # which fsdp-rs shards as one group per dtype ([Note: One group per dtype])
+    "mlp_mixed_dtype_root_only": {
+        "mixed_dtype": True,
+        "frozen": 2,
+        "root_only": True,
+        "mp": (torch.bfloat16, torch.float32),
+        "layout_differs": True,
+    },
     # fsdp-rs with a simulated accelerator's streams (tests/stream_sim.py) and its race checker
     "mlp_streams": {"streams": True},
     "transformer_bf16_streams": {
@@ -86,7 +95,10 @@ def _build(spec: dict) -> nn.Module:
     torch.manual_seed(0)
     if spec.get("model") == "transformer":
         return Transformer(vocab=37, dim=12, layers=2, heads=2)  # weight-tied
-    return mlp(spec.get("dims", (16, 33, 7, 13, 5)))
+    model = mlp(spec.get("dims", (16, 33, 7, 13, 5)))
+    if spec.get("mixed_dtype"):
+        model[2].to(torch.bfloat16)
+    return model
 
 
 def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=None):
@@ -119,6 +131,8 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=N
                 if i != spec["ignored"] and any(True for _ in child.parameters()):
                     fs(child, **kwargs)
             fs(model, ignored_params=ignored, **kwargs)
+        elif spec.get("root_only"):
+            fs(model, **kwargs)
         else:
             _shard_layers(model, fs, **kwargs)
         if spec.get("prefetch"):

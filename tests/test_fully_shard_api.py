@@ -283,3 +283,41 @@ def test_is_last_backward(gloo1):
         assert group.unshard_pending == (not last)
         assert bool(context.forward_order) == (not last)
     assert group.state == ShardedState.SHARDED and isinstance(model[0].weight, DTensor)
+
+
+def test_mixed_dtypes_one_group_per_dtype(gloo1):
+    """A module with fp32 and bf16 parameters is sharded as one group per dtype
+    ([Note: One group per dtype]); it trains like the plain module (one rank:
+    bit for bit), and flags reach both groups."""
+    from fsdp_rs.runtime.bundle import GroupBundle
+
+    class Mixed(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self[2](self[1](self[0](x)).to(torch.bfloat16)).float()
+
+    def build() -> nn.Module:
+        model = Mixed(*mlp())
+        model[2].to(torch.bfloat16)
+        return model
+
+    reference, model = build(), build()
+    fully_shard(model)
+    group = model._fsdp_rs_state.group
+    assert isinstance(group, GroupBundle) and len(group.groups) == 2
+    assert [g.orig_dtype for g in group.groups] == [torch.float32, torch.bfloat16]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert isinstance(p, DTensor) and p.dtype == q.dtype, name
+        assert torch.equal(p.full_tensor(), q), name
+    model.set_requires_gradient_sync(False)
+    assert all(not g.reduce_grads for g in group.groups)
+    model.set_requires_gradient_sync(True)
+    x = torch.randn(4, 5)
+
+    reference(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad.dtype == q.dtype and torch.equal(p.grad.full_tensor(), q.grad), name
+    state = model.state_dict()
+    assert {k: v.dtype for k, v in state.items()} == {
+        k: v.dtype for k, v in reference.state_dict().items()
+    }

@@ -38,12 +38,14 @@ CONFIGS: dict[str, dict] = {
     "post_optim_event": {"post_optim_event": True},
     "unshard_api": {"unshard_api": True},
     "one_rank": {"world": 1},
+    "mixed_dtypes_one_root_group": {"mixed": True, "mp": True, "root_only": True},
 }
 
 
 def _groups(model: nn.Module) -> list[FSDPParamGroup]:
     states = {id(s): s for m in model.modules() if (s := getattr(m, "_fsdp_rs_state", None))}
-    return [s.group for s in states.values() if s.group is not None]
+    groups = [s.group for s in states.values() if s.group is not None]
+    return [g for group in groups for g in getattr(group, "groups", (group,))]
 
 
 def train(config: dict, device: SimDevice, checker: RaceChecker) -> None:
@@ -64,6 +66,10 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
     if config.get("hsdp"):
         kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2))
     layers = [model[0], model[2], model[3]]
+    if config.get("mixed"):
+        model[2].to(torch.bfloat16)  # with mp: one group per dtype under the root
+    if config.get("root_only"):
+        layers = []
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

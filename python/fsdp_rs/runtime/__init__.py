@@ -6,6 +6,7 @@ parameter views of the group buffers), ``collectives`` (gradient divide
 factors), ``param_group`` (one planner call, buffers and the transitions),
 ``gradients`` (gradient buffers and the post-backward reduction),
 ``streams`` (side streams, events and cross-stream lifetimes on accelerators),
+``bundle`` (one group per dtype, driven as one),
 ``state`` (module hooks, root and lazy init) and ``api`` (``fully_shard`` and
 ``FSDPModule``).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params
@@ -26,6 +28,7 @@ _CLASS_CACHE: dict[type, type] = {}
 # The group that owns a parameter, as an attribute of the parameter: a weakref
 # registry would stop nn.Module._apply from swapping the (DTensor) parameters.
 _OWNER_ATTR = "_fsdp_rs_owner"
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _gc_paused(fn: Callable) -> Callable:
@@ -101,16 +104,22 @@ def fully_shard(
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        group = FSDPParamGroup(
-            managed, modules, info, mp_policy, offload,
-            offload and offload_policy.pin_memory, post_forward,
-        )  # fmt: skip
-    if group is not None:
+        parts = [managed]
+        if len(set(map(_DTYPE, managed.params))) > 1:  # one group per dtype
+            parts = managed.split(list(map(_DTYPE, managed.params)))
+        pin = offload and offload_policy.pin_memory
+        groups = [
+            FSDPParamGroup(part, modules, info, mp_policy, offload, pin, post_forward)
+            for part in parts
+        ]
+        # [Note: One group per dtype]
+        group = groups[0] if len(groups) == 1 else GroupBundle(groups)
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # The originals, which other modules may still register (a shared
         # parameter); a sharded one met elsewhere is refused as a DTensor.
         deque(map(setattr, managed.params, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
-        managed.forget_originals()
+        for part in {id(p): p for p in (managed, *parts)}.values():
+            part.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_rs_state = state

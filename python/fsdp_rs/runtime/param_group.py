@@ -46,9 +46,26 @@ class ShardedState(enum.Enum):
     (views into it) are registered."""
 
 
+# id(mesh) -> (weakref to that mesh object, {size: process group})
+_POST_FORWARD_GROUPS: dict[int, tuple[weakref.ref, dict[int, dist.ProcessGroup]]] = {}
+
+
 def _post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     """The group of ``size`` consecutive shard ranks this rank belongs to; every
-    rank creates every such group, as ``new_group`` requires."""
+    rank creates every such group, as ``new_group`` requires. Made once per
+    mesh object and size: all groups sharded over one mesh share them."""
+    key = id(info.mesh)
+    entry = _POST_FORWARD_GROUPS.get(key)
+    if entry is None or entry[0]() is not info.mesh:
+        entry = (weakref.ref(info.mesh, lambda _: _POST_FORWARD_GROUPS.pop(key, None)), {})
+        _POST_FORWARD_GROUPS[key] = entry
+    made = entry[1]
+    if size not in made:
+        made[size] = _new_post_forward_group(info, size)
+    return made[size]
+
+
+def _new_post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     mesh = info.mesh.mesh.reshape(-1, info.shard_size)
     mine = None
     for row in mesh.tolist():
@@ -92,7 +109,6 @@ class _Specs:
 
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
-_DTYPE = operator.attrgetter("dtype")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_dtensor = DTensor.__new__
 
@@ -197,13 +213,6 @@ class FSDPParamGroup(GradientReduction):
                     f"{self.device}; move the module to {self.device} or build the mesh "
                     f"for {device.type}"
                 )
-        dtypes = set(map(_DTYPE, params))
-        if len(dtypes) > 1:
-            raise NotImplementedError(
-                f"fully_shard: one group holds parameters of dtypes {sorted(map(str, dtypes))}; "
-                "fsdp-rs shards one dtype per group: apply fully_shard separately to the "
-                "submodules of each dtype"
-            )
         # C-level passes first; the loop below names the first offender.
         if (
             not any(map(isinstance, params, itertools.repeat(DTensor)))

@@ -94,6 +94,27 @@ class ManagedParams:
         sharded ones replaced them, so that their memory can be freed."""
         self.params = None
 
+    def split(self, keys: Sequence) -> list[ManagedParams]:
+        """One ``ManagedParams`` per distinct key (in order of first appearance),
+        holding the parameters with that key (``keys[i]`` is parameter ``i``'s)
+        and their slots."""
+        order = list(dict.fromkeys(keys))
+        parts = []
+        for key in order:
+            members = [i for i, k in enumerate(keys) if k == key]
+            local = {i: j for j, i in enumerate(members)}
+            slots = [k for k, i in enumerate(self.slot_index) if i in local]
+            parts.append(
+                ManagedParams(
+                    [self.params[i] for i in members],
+                    [self.fqns[i] for i in members],
+                    [self.slot_dicts[k] for k in slots],
+                    [self.slot_names[k] for k in slots],
+                    [local[self.slot_index[k]] for k in slots],
+                )
+            )
+        return parts
+
     def swap(self, objects: Sequence[torch.Tensor]) -> None:
         """Register ``objects[i]`` in every slot of parameter ``i``; see
         [Note: Swapping registered parameters]."""
