@@ -3,7 +3,8 @@
 Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
 ``mesh`` (process groups of a device mesh), ``params`` (sharded and unsharded
 parameter views of the group buffers), ``collectives`` (gradient divide
-factors), ``param_group`` (one planner call, buffers and the transitions),
+factors), ``param_group`` (one planner call, buffers and parameters), ``unshard``
+(the SHARDED / UNSHARDED / SHARDED_POST_FORWARD transitions),
 ``gradients`` (gradient buffers and the post-backward reduction),
 ``streams`` (side streams, events and cross-stream lifetimes on accelerators),
 ``bundle`` (one group per dtype, driven as one),

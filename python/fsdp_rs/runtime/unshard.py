@@ -1,0 +1,198 @@
+"""The unshard and reshard transitions of a parameter group, and the
+``ShardedState`` they move between.
+
+Unshard = copy-in (where a cast or a host-to-device copy is needed) and the
+all-gather, started by ``unshard``; the copy-out into the unsharded buffer and
+the registration of the unsharded parameters, by ``wait_for_unshard``. Reshard
+frees the unsharded buffer with one storage resize and registers the sharded
+parameters again; after forward with ``reshard_after_forward=int`` it keeps
+this rank's rows for the smaller all-gather in backward. Which streams each
+step runs on: [Note: Streams].
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from fsdp_rs.runtime.collectives import all_gather
+from fsdp_rs.runtime.mesh import MeshInfo
+
+__all__ = ["ShardedState", "Unsharding", "post_forward_process_group"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()
+    """Only the sharded buffer exists; the sharded DTensors are registered."""
+    SHARDED_POST_FORWARD = enum.auto()
+    """After forward with ``reshard_after_forward=int``: this rank also keeps its
+    post-forward group's rows of the all-gather output, so the backward all-gather
+    runs over the smaller post-forward group."""
+    UNSHARDED = enum.auto()
+    """The unsharded buffer is allocated and filled; the unsharded parameters
+    (views into it) are registered."""
+
+
+# id(mesh) -> (weakref to that mesh object, {size: process group})
+_POST_FORWARD_GROUPS: dict[int, tuple[weakref.ref, dict[int, dist.ProcessGroup]]] = {}
+
+
+def post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
+    """The group of ``size`` consecutive shard ranks this rank belongs to; every
+    rank creates every such group, as ``new_group`` requires. Made once per
+    mesh object and size: all groups sharded over one mesh share them."""
+    key = id(info.mesh)
+    entry = _POST_FORWARD_GROUPS.get(key)
+    if entry is None or entry[0]() is not info.mesh:
+        entry = (weakref.ref(info.mesh, lambda _: _POST_FORWARD_GROUPS.pop(key, None)), {})
+        _POST_FORWARD_GROUPS[key] = entry
+    made = entry[1]
+    if size not in made:
+        made[size] = _new_post_forward_process_group(info, size)
+    return made[size]
+
+
+def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
+    mesh = info.mesh.mesh.reshape(-1, info.shard_size)
+    mine = None
+    for row in mesh.tolist():
+        for start in range(0, info.shard_size, size):
+            ranks = row[start : start + size]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    assert mine is not None
+    return mine
+
+
+class Unsharding:
+    """Mixed into ``FSDPParamGroup``: the SHARDED / UNSHARDED /
+    SHARDED_POST_FORWARD transitions over the group's buffers.
+
+    Uses the group's plan, tables, ops, mesh info, dtypes, streams, managed
+    parameters and the unsharded buffer and parameters it made."""
+
+    def _free_unsharded(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    # --------------------------------------------------------------- unshard
+
+    @property
+    def unshard_pending(self) -> bool:
+        """An unshard was started and its copy-out not yet run."""
+        return self._pending_unshard is not None
+
+    def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
+        """Start the all-gather (copy-in where a cast is needed, then the
+        collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
+        unsharded or already started. ``side_streams``: called by a hook, run on
+        the all-gather streams (see [Note: Streams])."""
+        if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
+            return
+        if self.unsharded_params is None:
+            self._make_unsharded_params()
+        streams = self.streams
+        # Rows kept at a post-forward reshard were written on the compute stream.
+        streams.all_gather_streams_wait(self._post_forward_event)
+        self._post_forward_event = None
+        copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
+        info = self.info
+        group = info.shard_group
+        with torch.no_grad():
+            if self.state == ShardedState.SHARDED_POST_FORWARD:
+                source, ag = self._post_forward_rows, None
+                self._post_forward_rows = None
+                group = self.post_forward_group
+            else:
+                source, ag = self.sharded, None
+                with streams.on(copy_in_stream):
+                    if source.device != self.device:  # CPU offload
+                        source = source.to(self.device, non_blocking=True)
+                    if source.dtype != self.param_dtype:  # one launch: the cast
+                        ag = self._all_gather_output()
+                        self.ops.all_gather_copy_in(source, ag, info.shard_rank)
+                        source = ag[info.shard_rank]
+                    # else no cast to fuse: the sharded buffer (row layout) is the
+                    # all-gather input as it is
+                if ag_stream is not None:
+                    ag_stream.wait_stream(copy_in_stream)
+            with streams.on(ag_stream):
+                work = None
+                if info.shard_size > 1:
+                    ag = self._all_gather_output() if ag is None else ag
+                    work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
+                elif ag is None:
+                    ag = source.view(1, -1)  # one rank: its row is the whole output
+                event = streams.record(ag_stream)
+        self._pending_unshard = (work if async_op else None, ag, event, source)
+
+    def prefetch(self) -> None:
+        """Start the unshard of a group about to run: on the side streams where
+        there are streams, else with an asynchronous collective."""
+        self.unshard(async_op=not self.streams.enabled, side_streams=True)
+
+    def _all_gather_output(self) -> torch.Tensor:
+        return torch.empty(
+            self.info.shard_size, self.plan.row_numel, dtype=self.param_dtype, device=self.device
+        )
+
+    def wait_for_unshard(self, defer_release: bool = False) -> None:
+        """Finish the unshard (start it first if needed): wait for the all-gather,
+        copy out, register the unsharded parameters. ``defer_release``: in
+        forward, keep the all-gather output until the next group's wait (see
+        [Note: Cross-stream lifetimes])."""
+        if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
+            return
+        if self._pending_unshard is None:
+            self.unshard()
+        work, ag, event, source = self._pending_unshard
+        self._pending_unshard = None
+        streams = self.streams
+        if defer_release:
+            streams.flush_all_gather()
+        streams.wait_current(event)
+        if work is not None:
+            work.wait()
+        self._alloc_unsharded()
+        with torch.no_grad():
+            self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+        if self.post_forward_group is not None:
+            size = self.info.shard_size // self.post_forward_size
+            first = (self.info.shard_rank % self.post_forward_size) * size
+            self._ag_rows = (ag, first, size)
+        streams.release_after((ag, source), streams.record(), defer_release and work is None)
+        self.state = ShardedState.UNSHARDED
+        self.managed.swap(self.unsharded_params)
+
+    # --------------------------------------------------------------- reshard
+
+    def reshard(self, after_forward: bool = False) -> None:
+        if self._pending_unshard is not None:
+            self.wait_for_unshard()
+        if self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
+            self._post_forward_rows = None
+            self._post_forward_event = None
+            self.state = ShardedState.SHARDED
+        if self.state != ShardedState.UNSHARDED:
+            return
+        keep_rows = after_forward and self.post_forward_group is not None
+        if keep_rows:
+            ag, first, size = self._ag_rows
+            self._post_forward_rows = ag[first : first + size].clone()
+            # The clone read the all-gather output on the compute stream: release
+            # it after that, and the next unshard reads the rows after it too.
+            self._post_forward_event = self.streams.record()
+            self.streams.release_after((ag,), self._post_forward_event, defer=True)
+        self._ag_rows = None
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
+        self.managed.swap(self.sharded_params)
