@@ -145,12 +145,6 @@ def test_no_races(name):
 
 def _drop_reduce_scatter_inputs(self: CommStreams) -> None:
     self._reduce_scatter_inputs = []  # released without the wait
-    self.reduce_scatter.wait_stream(self.current())
-
-
-def _end_reduction_without_keeping_output(self: FSDPParamGroup, rs_in, rs_in_event, *rest):
-    self.streams.keep_reduce_scatter_input(rs_in, rs_in_event)
-    self.streams.note_post_reduce(*rest[:2])  # the output read on the all-reduce stream is dropped
 
 
 BROKEN = {
@@ -183,14 +177,14 @@ BROKEN = {
     ),
     "reduce_scatter_input_released_without_wait": (
         CommStreams,
-        "begin_reduction",
+        "_release_reduce_scatter_inputs",
         _drop_reduce_scatter_inputs,
         "plain",
     ),
     "all_reduce_output_released_early": (
-        FSDPParamGroup,
-        "_end_reduction",
-        _end_reduction_without_keeping_output,
+        CommStreams,
+        "keep_reduce_output",
+        lambda self, group, output, event: None,
         "hsdp",
     ),
 }

@@ -61,7 +61,6 @@ class GroupBundle:
     prefetch = _on_each("prefetch")
     reshard = _on_each("reshard")
     prepare_gradients = _on_each("prepare_gradients")
-    release_reduce_state = _on_each("release_reduce_state")
     adopt_registered = _on_each("adopt_registered")
 
     def post_backward(self) -> None:

@@ -56,8 +56,6 @@ class GradientReduction:
         self._accumulated: list[torch.Tensor | None] | None = None
         self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
         self._partial_reduce: torch.Tensor | None = None
-        # (reduce-scatter output, event of its last use) when used off the reduce-scatter stream
-        self._reduce_state: tuple | None = None
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
         self._grad_views = None
 
@@ -207,8 +205,7 @@ class GradientReduction:
         post = division.post
         rs_stream = post_stream = None
         if streams.enabled:
-            self.release_reduce_state()
-            streams.begin_reduction()
+            streams.begin_reduction(self)
             rs_stream = post_stream = streams.reduce_scatter
         with streams.on(rs_stream):
             if info.shard_size > 1:
@@ -258,14 +255,7 @@ class GradientReduction:
         streams.keep_reduce_scatter_input(rs_in, rs_in_event)
         streams.note_post_reduce(post_stream, post_event)
         if post_stream is not streams.reduce_scatter:
-            self._reduce_state = (output, post_event)
-
-    def release_reduce_state(self) -> None:
-        """Release this group's last reduce-scatter output read on another
-        stream, after the compute stream waits for that stream's use of it."""
-        if self._reduce_state is not None:
-            self.streams.wait_current(self._reduce_state[1])
-            self._reduce_state = None
+            streams.keep_reduce_output(self, output, post_event)
 
     def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
         """Post-reduce into the sharded gradient buffer, then make sure every

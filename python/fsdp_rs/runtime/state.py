@@ -256,11 +256,7 @@ class FSDPState:
                 group.reshard()
             group.post_backward_done = False
             state._modules_done = 0
-        if context.streams.enabled:
-            context.streams.end_of_backward()
-            for state in context.states:
-                if state.group is not None:
-                    state.group.release_reduce_state()
+        context.streams.end_of_backward()
         if context.is_last_backward:
             context.forward_order = []  # otherwise the next backward prefetches by it
 

@@ -82,6 +82,9 @@ class CommStreams:
         # (reduce-scatter input, its reduce-scatter's event): at most one in flight
         self._reduce_scatter_inputs: list[tuple[torch.Tensor, Any]] = []
         self._last_post_reduce: dict[Any, Any] = {}  # stream -> its last post-reduce event
+        # group -> (its reduce-scatter output read off the reduce-scatter stream,
+        # the event of that last use)
+        self._reduce_outputs: dict[Any, tuple[torch.Tensor, Any]] = {}
         if module is None:
             return
         self.copy_in = module.Stream(priority=-1)
@@ -156,32 +159,44 @@ class CommStreams:
 
     # ------------------------------------------------------------- reduction
 
-    def begin_reduction(self) -> None:
-        """Before a reduce-scatter: release the previous one's input (the compute
-        stream waits for it first), then order the reduce-scatter stream after
-        the compute stream's copy-in."""
+    def begin_reduction(self, group: Any) -> None:
+        """Before ``group``'s reduce-scatter: release what earlier reductions
+        still keep, after the compute stream waits for its last use (the previous
+        reduce-scatter input, and this group's previous output read off the
+        reduce-scatter stream); then order the reduce-scatter stream after the
+        compute stream's copy-in."""
+        self._release_reduce_scatter_inputs()
+        kept = self._reduce_outputs.pop(group, None)
+        if kept is not None:
+            self.wait_current(kept[1])
+        self.reduce_scatter.wait_stream(self.current())
+
+    def _release_reduce_scatter_inputs(self) -> None:
         inputs, self._reduce_scatter_inputs = self._reduce_scatter_inputs, []
         for _, event in inputs:
             self.wait_current(event)
-        self.reduce_scatter.wait_stream(self.current())
 
     def keep_reduce_scatter_input(self, rs_input: torch.Tensor, event: Any) -> None:
         self._reduce_scatter_inputs.append((rs_input, event))
+
+    def keep_reduce_output(self, group: Any, output: torch.Tensor, event: Any) -> None:
+        """``group``'s reduce-scatter output, read on another stream until ``event``."""
+        self._reduce_outputs[group] = (output, event)
 
     def note_post_reduce(self, stream: Any, event: Any) -> None:
         self._last_post_reduce[stream] = event
 
     def end_of_backward(self) -> None:
-        """The compute stream waits for every stream's last post-reduce and the
-        reduce-scatter inputs still kept, which are then released."""
+        """The compute stream waits for every stream's last post-reduce (which
+        covers the kept reduce-scatter outputs) and the reduce-scatter inputs
+        still kept; all are then released."""
         if not self.enabled:
             return
         for event in self._last_post_reduce.values():
             self.wait_current(event)
         self._last_post_reduce = {}
-        for _, event in self._reduce_scatter_inputs:
-            self.wait_current(event)
-        self._reduce_scatter_inputs = []
+        self._reduce_outputs = {}
+        self._release_reduce_scatter_inputs()
         self.flush_all_gather()
 
 
