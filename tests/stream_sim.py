@@ -184,13 +184,17 @@ class RaceChecker(TorchDispatchMode):
             self._freed(block)  # resized to a new block
             self.shared.pop(id(block), None)
         # First seen: made before the checker started, or by a storage resize.
-        block = _Block(StorageWeakRef(storage), ptr, stream, None)
-        self.blocks[key] = block
+        return self._new_block(storage, stream)
+
+    def _new_block(self, storage: torch.UntypedStorage, stream: SimStream) -> _Block:
+        """A block allocated on ``stream`` now."""
+        block = _Block(StorageWeakRef(storage), storage.data_ptr(), stream, None)
+        self.blocks[storage._cdata] = block
         self._allocated(stream, block)
         return block
 
     def _freed(self, block: _Block) -> None:
-        if block.shared:
+        if block.shared:  # only other streams' uses need ordering before a reuse
             self.pending_frees.setdefault(block.alloc.id, []).append(block)
 
     def _allocated(self, stream: SimStream, block: _Block) -> None:
@@ -261,9 +265,7 @@ class RaceChecker(TorchDispatchMode):
                     storage = tensor.untyped_storage()
                     if storage.data_ptr() == 0 or storage.nbytes() == 0:
                         continue
-                    block = _Block(StorageWeakRef(storage), storage.data_ptr(), stream, None)
-                    self.blocks[storage._cdata] = block
-                    self._allocated(stream, block)
+                    block = self._new_block(storage, stream)
                     block.write = (stream.id, t, op)
         return out
 

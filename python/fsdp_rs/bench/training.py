@@ -119,6 +119,17 @@ def _warm_up() -> None:
         model(torch.zeros(4)).sum().backward()
 
 
+def _record(bench: str, n_params: int, world_size: int, block_params: int) -> dict[str, Any]:
+    """The fields every init and step record starts with."""
+    return {
+        "bench": bench,
+        "n_params": n_params,
+        "world_size": world_size,
+        "block_params": block_params,
+        "groups": -(-n_params // block_params) + 1,  # the blocks and the root
+    }
+
+
 def bench_init(
     n_params: int, world_size: int, block_params: int, torch_too: bool, seed: int = 0
 ) -> dict[str, Any]:
@@ -135,11 +146,7 @@ def bench_init(
         gc.collect()
     torch_s = times.get("torch")
     return {
-        "bench": "init",
-        "n_params": n_params,
-        "world_size": world_size,
-        "block_params": block_params,
-        "groups": -(-n_params // block_params) + 1,
+        **_record("init", n_params, world_size, block_params),
         "fsdp_rs_s": times["fsdp_rs"],
         "torch_s": torch_s,
         "speedup": None if torch_s is None else torch_s / times["fsdp_rs"],
@@ -188,11 +195,7 @@ def bench_step(
     fsdp_rs_s = _paired_overhead(samples["fsdp_rs"], samples["unsharded"])
     torch_s = _paired_overhead(samples["torch"], samples["unsharded"])
     return {
-        "bench": "step",
-        "n_params": n_params,
-        "world_size": world_size,
-        "block_params": block_params,
-        "groups": -(-n_params // block_params) + 1,
+        **_record("step", n_params, world_size, block_params),
         "repeat": repeat,
         "unsharded_step_s": step["unsharded"],
         "fsdp_rs_step_s": step["fsdp_rs"],

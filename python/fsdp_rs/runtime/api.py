@@ -104,9 +104,8 @@ def fully_shard(
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        parts = [managed]
-        if len(set(map(_DTYPE, managed.params))) > 1:  # one group per dtype
-            parts = managed.split(list(map(_DTYPE, managed.params)))
+        dtypes = list(map(_DTYPE, managed.params))
+        parts = managed.split(dtypes) if len(set(dtypes)) > 1 else [managed]
         pin = offload and offload_policy.pin_memory
         groups = [
             FSDPParamGroup(part, modules, info, mp_policy, offload, pin, post_forward)
@@ -118,7 +117,8 @@ def fully_shard(
         # The originals, which other modules may still register (a shared
         # parameter); a sharded one met elsewhere is refused as a DTensor.
         deque(map(setattr, managed.params, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
-        for part in {id(p): p for p in (managed, *parts)}.values():
+        managed.forget_originals()
+        for part in parts:
             part.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
