@@ -12,6 +12,7 @@ single-rank group only divides by a custom factor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class Division:
     all_reduce_op: object
 
 
+@functools.cache  # a pure function of hashable flags, called per group and step
 def gradient_division(
     reduce_dtype: torch.dtype,
     shard_size: int,

@@ -50,7 +50,9 @@ class GradientReduction:
     def _init_gradients(self) -> None:
         self.preplace_grads = self.device.type == "cpu"
         self._placed = False  # the aliases are the unsharded params' .grad now
-        self._versions: list[int] = []
+        # The aliases' version counters when placed; only autograd's additions
+        # move them, so the post-backward's reading serves the next placement.
+        self._versions: list[int] | None = None
         # [No sync] accumulated unsharded gradients in the reduce dtype: either a
         # per-param list, or (buffer in the unsharded layout, had-gradient mask).
         self._accumulated: list[torch.Tensor | None] | None = None
@@ -70,6 +72,7 @@ class GradientReduction:
             alias_storage(storage, self.unsharded_grad, *layout) for layout in self._grad_layouts()
         ]
         storage.resize_(0)
+        self._versions = None
 
     def _grad_layouts(self) -> list[tuple[int, torch.Size, tuple[int, ...]]]:
         """(unsharded offset, shape, stride) of each parameter that takes gradients."""
@@ -88,7 +91,8 @@ class GradientReduction:
         storage.resize_(self.unsharded_grad.numel() * self.unsharded_grad.element_size())
         self.unsharded_grad.zero_()
         set_grads(params, self._grad_aliases)
-        self._versions = list(map(_VERSION, self._grad_aliases))
+        if self._versions is None:  # else the post-backward's reading still holds
+            self._versions = list(map(_VERSION, self._grad_aliases))
         self._placed = True
 
     def _free_grad_buffer(self) -> None:
@@ -110,7 +114,9 @@ class GradientReduction:
         with torch.no_grad():
             aliased: list[bool] = []
             if self._placed:  # an alias whose version did not move got no gradient
-                had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
+                versions = list(map(_VERSION, self._grad_aliases))
+                had = list(map(operator.ne, versions, self._versions))
+                self._versions = versions
                 aliased = list(map(operator.is_, grads, self._grad_aliases))
             if aliased and all(aliased):
                 if any(had) or self._has_accumulated():
@@ -203,13 +209,19 @@ class GradientReduction:
         the post-reduce, on the streams of [Note: Streams]."""
         info, plan, streams = self.info, self.plan, self.streams
         post = division.post
+        current = self._sharded_grads()
+        direct = self._reduces_into_grad_buffer(post, had_grad, current)
         rs_stream = post_stream = None
         if streams.enabled:
             streams.begin_reduction(self)
             rs_stream = post_stream = streams.reduce_scatter
         with streams.on(rs_stream):
             if info.shard_size > 1:
-                output = torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
+                output = (
+                    self.grad_buffer
+                    if direct
+                    else torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
+                )
                 reduce_scatter(
                     output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
                 )
@@ -241,7 +253,10 @@ class GradientReduction:
                 if hook is not None:
                     hook(output)
         with streams.on(post_stream):
-            self._assign_grads(output, post, had_grad)
+            if direct:
+                set_grads(self._grad_params, self._grad_views)
+            else:
+                self._assign_grads(output, post, had_grad, current)
             post_event = streams.record(post_stream)
         # One rank: the post-reduce read the input itself.
         rs_in_event = post_event if info.shard_size == 1 else rs_event
@@ -257,9 +272,9 @@ class GradientReduction:
         if post_stream is not streams.reduce_scatter:
             streams.keep_reduce_output(self, output, post_event)
 
-    def _assign_grads(self, output: torch.Tensor, divide: float, had_grad: list[bool]) -> None:
-        """Post-reduce into the sharded gradient buffer, then make sure every
-        parameter that got a gradient has a ``.grad`` view of it."""
+    def _sharded_grads(self) -> list[torch.Tensor | None]:
+        """The sharded parameters' ``.grad`` now, once the sharded gradient buffer
+        and its ``.grad`` views exist (made at the first reduction)."""
         if self._grad_views is None:
             self.grad_buffer = torch.zeros_like(self.sharded)
             views = self._local_views(self.grad_buffer)
@@ -267,9 +282,38 @@ class GradientReduction:
                 self._sharded_view(views[i], self.shapes[i], self.strides[i])
                 for i in self._grad_index
             ]
+        return get_grads(self._grad_params)
+
+    def _reduces_into_grad_buffer(
+        self, divide: float, had_grad: list[bool], current: list[torch.Tensor | None]
+    ) -> bool:
+        """Whether the reduce-scatter can write the sharded gradient buffer itself,
+        leaving no post-reduce: every parameter got a gradient and has no ``.grad``
+        (the usual step after ``zero_grad()``), the reduced gradient goes nowhere
+        else first (no replicas, no hook), and needs no division, cast or move."""
+        return (
+            self.info.shard_size > 1
+            and self.info.replicate_group is None
+            and self.all_reduce_hook is None
+            and divide == 1.0
+            and self.grad_buffer.dtype == self.reduce_dtype
+            and self.grad_buffer.device == self.device
+            and all(had_grad)
+            and all(map(_is_none, current))
+        )
+
+    def _assign_grads(
+        self,
+        output: torch.Tensor,
+        divide: float,
+        had_grad: list[bool],
+        current: list[torch.Tensor | None],
+    ) -> None:
+        """Post-reduce into the sharded gradient buffer, then make sure every
+        parameter that got a gradient has a ``.grad`` view of it (``current``:
+        their ``.grad`` before)."""
         if output.device != self.grad_buffer.device:
             output = output.to(self.grad_buffer.device)
-        current = get_grads(self._grad_params)
         ours = list(map(operator.is_, current, self._grad_views))
         if all(ours) and all(had_grad):
             self.shard_ops.post_reduce(output, self.grad_buffer, divide, True)

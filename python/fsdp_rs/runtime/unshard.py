@@ -107,32 +107,32 @@ class Unsharding:
         copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
         info = self.info
         group = info.shard_group
-        with torch.no_grad():
-            if self.state == ShardedState.SHARDED_POST_FORWARD:
-                source, ag = self._post_forward_rows, None
-                self._post_forward_rows = None
-                group = self.post_forward_group
-            else:
-                source, ag = self.sharded, None
-                with streams.on(copy_in_stream):
-                    if source.device != self.device:  # CPU offload
-                        source = source.to(self.device, non_blocking=True)
-                    if source.dtype != self.param_dtype:  # one launch: the cast
-                        ag = self._all_gather_output()
-                        self.ops.all_gather_copy_in(source, ag, info.shard_rank)
-                        source = ag[info.shard_rank]
-                    # else no cast to fuse: the sharded buffer (row layout) is the
-                    # all-gather input as it is
-                if ag_stream is not None:
-                    ag_stream.wait_stream(copy_in_stream)
-            with streams.on(ag_stream):
-                work = None
-                if info.shard_size > 1:
-                    ag = self._all_gather_output() if ag is None else ag
-                    work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
-                elif ag is None:
-                    ag = source.view(1, -1)  # one rank: its row is the whole output
-                event = streams.record(ag_stream)
+        # No autograd context needed: none of these buffers requires grad.
+        if self.state == ShardedState.SHARDED_POST_FORWARD:
+            source, ag = self._post_forward_rows, None
+            self._post_forward_rows = None
+            group = self.post_forward_group
+        else:
+            source, ag = self.sharded, None
+            with streams.on(copy_in_stream):
+                if source.device != self.device:  # CPU offload
+                    source = source.to(self.device, non_blocking=True)
+                if source.dtype != self.param_dtype:  # one launch: the cast
+                    ag = self._all_gather_output()
+                    self.ops.all_gather_copy_in(source, ag, info.shard_rank)
+                    source = ag[info.shard_rank]
+                # else no cast to fuse: the sharded buffer (row layout) is the
+                # all-gather input as it is
+            if ag_stream is not None:
+                ag_stream.wait_stream(copy_in_stream)
+        with streams.on(ag_stream):
+            work = None
+            if info.shard_size > 1:
+                ag = self._all_gather_output() if ag is None else ag
+                work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
+            elif ag is None:
+                ag = source.view(1, -1)  # one rank: its row is the whole output
+            event = streams.record(ag_stream)
         self._pending_unshard = (work if async_op else None, ag, event, source)
 
     def prefetch(self) -> None:
@@ -163,8 +163,7 @@ class Unsharding:
         if work is not None:
             work.wait()
         self._alloc_unsharded()
-        with torch.no_grad():
-            self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+        self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
         if self.post_forward_group is not None:
             size = self.info.shard_size // self.post_forward_size
             first = (self.info.shard_rank % self.post_forward_size) * size
