@@ -111,29 +111,36 @@ class GradientReduction:
         params = self._unsharded_with_grad
         grads = get_grads(params)
         clear_grads(params)
-        with torch.no_grad():
-            aliased: list[bool] = []
-            if self._placed:  # an alias whose version did not move got no gradient
-                versions = list(map(_VERSION, self._grad_aliases))
-                had = list(map(operator.ne, versions, self._versions))
-                self._versions = versions
-                aliased = list(map(operator.is_, grads, self._grad_aliases))
-            if aliased and all(aliased):
-                if any(had) or self._has_accumulated():
-                    self._reduce_buffer(self.unsharded_grad, had)
-            else:
-                if aliased:  # some replaced (by the user, or create_graph=True)
-                    grads = [
-                        None if a and not h else g
-                        for g, a, h in zip(grads, aliased, had, strict=True)
-                    ]
-                if not all(map(_is_none, grads)) or self._has_accumulated():
-                    self._reduce_list(grads)
+        if torch.is_grad_enabled():  # backward(create_graph=True): record nothing
+            with torch.no_grad():
+                self._reduce_grads(grads)
+        else:  # autograd runs hooks without grad mode: spare the context (~3 us)
+            self._reduce_grads(grads)
         self._free_grad_buffer()
         # A pending (prefetched) unshard is left to the end of backward, which
         # keeps it unless this is the last backward.
         if self.reshard_after_backward and not self.unshard_pending:
             self.reshard()
+
+    def _reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Reduce ``grads`` (what autograd left on the unsharded parameters): by
+        the buffer when they are all the placed aliases, else per gradient."""
+        aliased: list[bool] = []
+        if self._placed:  # an alias whose version did not move got no gradient
+            versions = list(map(_VERSION, self._grad_aliases))
+            had = list(map(operator.ne, versions, self._versions))
+            self._versions = versions
+            aliased = list(map(operator.is_, grads, self._grad_aliases))
+        if aliased and all(aliased):
+            if any(had) or self._has_accumulated():
+                self._reduce_buffer(self.unsharded_grad, had)
+        else:
+            if aliased:  # some replaced (by the user, or create_graph=True)
+                grads = [
+                    None if a and not h else g for g, a, h in zip(grads, aliased, had, strict=True)
+                ]
+            if not all(map(_is_none, grads)) or self._has_accumulated():
+                self._reduce_list(grads)
 
     def _has_accumulated(self) -> bool:
         """Gradients kept by a no-sync backward are reduced by the next synced one,
