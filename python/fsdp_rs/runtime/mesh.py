@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -59,9 +60,27 @@ def default_mesh() -> DeviceMesh:
     return cached[1]
 
 
+# id(mesh) -> (weakref to that mesh object, the MeshInfo fields after the mesh).
+# Not the MeshInfo itself: it references the mesh, which would then never die.
+_GROUPS: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
+    """The groups, sizes and ranks of ``mesh`` (the default 1-D mesh for None),
+    read once per mesh object: a model sharded per block calls this per block."""
     if mesh is None:
         mesh = default_mesh()
+    key = id(mesh)
+    cached = _GROUPS.get(key)
+    if cached is None or cached[0]() is not mesh:
+        groups = _mesh_groups(mesh)  # checks the type first
+        cached = (weakref.ref(mesh, lambda _: _GROUPS.pop(key, None)), groups)
+        _GROUPS[key] = cached
+    return MeshInfo(mesh, *cached[1])
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple:
+    """(shard group, its size, this rank in it, replicate group or None, its size)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
@@ -70,10 +89,10 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
         )
     if mesh.ndim == 1:
         group = mesh.get_group(0)
-        return MeshInfo(mesh, group, group.size(), group.rank(), None, 1)
+        return group, group.size(), group.rank(), None, 1
     if mesh.ndim == 2:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
-        return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
+        return shard, shard.size(), shard.rank(), replicate, replicate.size()
     raise ValueError(
         f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D mesh "
         "(replicate, shard) for HSDP"
