@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -67,6 +68,13 @@ def test_bench_step(tmp_path: Path) -> None:
     assert record["fsdp_rs_s"] == pytest.approx(
         record["fsdp_rs_step_s"] - record["unsharded_step_s"]
     )
+    # per-round figures: one per round, their median the reported overhead
+    assert len(record["fsdp_rs_round_s"]) == len(record["torch_round_s"]) == 2
+    assert statistics.median(record["torch_round_s"]) == pytest.approx(record["torch_s"])
+    assert record["round_speedups"] == pytest.approx(
+        [t / f for f, t in zip(record["fsdp_rs_round_s"], record["torch_round_s"], strict=True)]
+    )
+    assert "rounds: min-max" in proc.stdout
 
 
 def test_bench_bad_input() -> None:

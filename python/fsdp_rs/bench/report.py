@@ -163,10 +163,13 @@ def step_table(records: Sequence[Record]) -> str:
         "torch overhead ms",
         "us/param",
         "speedup",
+        "rounds: min-max",
     ]
     rows = []
     for r in records:
         n = r["n_params"]
+        per_round = [x for x in r.get("round_speedups", ()) if x is not None]
+        spread = f"{min(per_round):.1f}-{max(per_round):.1f}" if per_round else "-"
         rows.append(
             [
                 str(n),
@@ -178,6 +181,7 @@ def step_table(records: Sequence[Record]) -> str:
                 _fmt(_ms(r["torch_s"]), ".1f"),
                 _fmt(r["torch_s"] / n * 1e6, ".2f"),
                 _fmt(r["speedup"], ".1f"),
+                spread,
             ]
         )
     return format_table(headers, rows)

@@ -19,7 +19,9 @@ model's tens of thousands of tensor objects after the other models evicted
 them). Rounds alternate the models so that a slow stretch of the machine hits
 all three alike. The per-step bookkeeping overhead of a sharding library is the
 median over rounds of its round time (median of the timed steps) minus the
-unsharded model's in the same round.
+unsharded model's in the same round. Records also keep every round's overheads
+and their ratio (``round_speedups``), whose range the table prints: on a shared
+machine it shows how far one round can be from the median.
 """
 
 from __future__ import annotations
@@ -163,12 +165,6 @@ def _step(model: nn.Module, x: torch.Tensor) -> float:
 STEPS_PER_ROUND = 2
 
 
-def _paired_overhead(sharded: list[float], unsharded: list[float]) -> float:
-    """Median over rounds of the sharded step minus the unsharded step of the same
-    round (interleaved, so a slow stretch of the machine cancels out)."""
-    return statistics.median(a - b for a, b in zip(sharded, unsharded, strict=True))
-
-
 def bench_step(
     n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0
 ) -> dict[str, Any]:
@@ -192,8 +188,12 @@ def bench_step(
             timed = [_step(model, x) for _ in range(STEPS_PER_ROUND)]
             samples[name].append(statistics.median(timed))
     step = {name: statistics.median(s) for name, s in samples.items()}
-    fsdp_rs_s = _paired_overhead(samples["fsdp_rs"], samples["unsharded"])
-    torch_s = _paired_overhead(samples["torch"], samples["unsharded"])
+    rounds = {
+        name: [a - b for a, b in zip(samples[name], samples["unsharded"], strict=True)]
+        for name in ("fsdp_rs", "torch")
+    }
+    fsdp_rs_s = statistics.median(rounds["fsdp_rs"])
+    torch_s = statistics.median(rounds["torch"])
     return {
         **_record("step", n_params, world_size, block_params),
         "repeat": repeat,
@@ -203,4 +203,8 @@ def bench_step(
         "fsdp_rs_s": fsdp_rs_s,
         "torch_s": torch_s,
         "speedup": torch_s / fsdp_rs_s if fsdp_rs_s > 0 else None,
+        # per round, to show the machine's noise: the overheads and their ratio
+        "fsdp_rs_round_s": rounds["fsdp_rs"],
+        "torch_round_s": rounds["torch"],
+        "round_speedups": [t / f if f > 0 else None for f, t in zip(*rounds.values(), strict=True)],
     }
