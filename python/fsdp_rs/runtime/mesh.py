@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_info"]
+__all__ = ["MeshInfo", "default_mesh", "mesh_info", "per_mesh"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,33 +60,44 @@ def default_mesh() -> DeviceMesh:
     return cached[1]
 
 
-# id(mesh) -> (weakref to that mesh object, the MeshInfo fields after the mesh).
-# Not the MeshInfo itself: it references the mesh, which would then never die.
-_GROUPS: dict[int, tuple[weakref.ref, tuple]] = {}
+# id(mesh) -> (weakref to that mesh object, what fsdp-rs keeps for it)
+_PER_MESH: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def per_mesh(mesh: DeviceMesh) -> dict:
+    """A dict for what fsdp-rs reads or makes once per mesh object (a model
+    sharded per block calls ``fully_shard`` per block over one mesh), dropped
+    when the mesh dies. Its values must not reference the mesh, which would then
+    never die."""
+    key = id(mesh)
+    entry = _PER_MESH.get(key)
+    if entry is None or entry[0]() is not mesh:
+        entry = (weakref.ref(mesh, lambda _: _PER_MESH.pop(key, None)), {})
+        _PER_MESH[key] = entry
+    return entry[1]
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     """The groups, sizes and ranks of ``mesh`` (the default 1-D mesh for None),
-    read once per mesh object: a model sharded per block calls this per block."""
+    read once per mesh object. Not the MeshInfo itself is kept: it references
+    the mesh."""
     if mesh is None:
         mesh = default_mesh()
-    key = id(mesh)
-    cached = _GROUPS.get(key)
-    if cached is None or cached[0]() is not mesh:
-        groups = _mesh_groups(mesh)  # checks the type first
-        cached = (weakref.ref(mesh, lambda _: _GROUPS.pop(key, None)), groups)
-        _GROUPS[key] = cached
-    return MeshInfo(mesh, *cached[1])
-
-
-def _mesh_groups(mesh: DeviceMesh) -> tuple:
-    """(shard group, its size, this rank in it, replicate group or None, its size)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
             f"{type(mesh).__name__}; build one with init_device_mesh(device_type, (world_size,)) "
             "or (replicas, shards) for HSDP"
         )
+    kept = per_mesh(mesh)
+    groups = kept.get("groups")
+    if groups is None:
+        groups = kept["groups"] = _mesh_groups(mesh)
+    return MeshInfo(mesh, *groups)
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple:
+    """(shard group, its size, this rank in it, replicate group or None, its size)."""
     if mesh.ndim == 1:
         group = mesh.get_group(0)
         return group, group.size(), group.rank(), None, 1

@@ -13,13 +13,12 @@ step runs on: [Note: Streams].
 from __future__ import annotations
 
 import enum
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from fsdp_rs.runtime.collectives import all_gather
-from fsdp_rs.runtime.mesh import MeshInfo
+from fsdp_rs.runtime.mesh import MeshInfo, per_mesh
 
 __all__ = ["ShardedState", "Unsharding", "post_forward_process_group"]
 
@@ -36,23 +35,15 @@ class ShardedState(enum.Enum):
     (views into it) are registered."""
 
 
-# id(mesh) -> (weakref to that mesh object, {size: process group})
-_POST_FORWARD_GROUPS: dict[int, tuple[weakref.ref, dict[int, dist.ProcessGroup]]] = {}
-
-
 def post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     """The group of ``size`` consecutive shard ranks this rank belongs to; every
     rank creates every such group, as ``new_group`` requires. Made once per
     mesh object and size: all groups sharded over one mesh share them."""
-    key = id(info.mesh)
-    entry = _POST_FORWARD_GROUPS.get(key)
-    if entry is None or entry[0]() is not info.mesh:
-        entry = (weakref.ref(info.mesh, lambda _: _POST_FORWARD_GROUPS.pop(key, None)), {})
-        _POST_FORWARD_GROUPS[key] = entry
-    made = entry[1]
-    if size not in made:
-        made[size] = _new_post_forward_process_group(info, size)
-    return made[size]
+    kept = per_mesh(info.mesh)
+    key = ("post_forward_group", size)
+    if key not in kept:
+        kept[key] = _new_post_forward_process_group(info, size)
+    return kept[key]
 
 
 def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
