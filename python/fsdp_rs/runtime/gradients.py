@@ -216,8 +216,10 @@ class GradientReduction:
         the post-reduce, on the streams of [Note: Streams]."""
         info, plan, streams = self.info, self.plan, self.streams
         post = division.post
-        current = self._sharded_grads()
-        direct = self._reduces_into_grad_buffer(post, had_grad, current)
+        # Read now only where it decides the output: with replicas the gradients
+        # may stay partial ([No all-reduce]) and are assigned after the all-reduce.
+        current = None if info.replicate_group is not None else self._sharded_grads()
+        direct = current is not None and self._reduces_into_grad_buffer(post, had_grad, current)
         rs_stream = post_stream = None
         if streams.enabled:
             streams.begin_reduction(self)
@@ -297,10 +299,10 @@ class GradientReduction:
         """Whether the reduce-scatter can write the sharded gradient buffer itself,
         leaving no post-reduce: every parameter got a gradient and has no ``.grad``
         (the usual step after ``zero_grad()``), the reduced gradient goes nowhere
-        else first (no replicas, no hook), and needs no division, cast or move."""
+        else first (no hook; the caller rules out replicas), and needs no
+        division, cast or move."""
         return (
             self.info.shard_size > 1
-            and self.info.replicate_group is None
             and self.all_reduce_hook is None
             and divide == 1.0
             and self.grad_buffer.dtype == self.reduce_dtype
@@ -314,11 +316,13 @@ class GradientReduction:
         output: torch.Tensor,
         divide: float,
         had_grad: list[bool],
-        current: list[torch.Tensor | None],
+        current: list[torch.Tensor | None] | None,
     ) -> None:
         """Post-reduce into the sharded gradient buffer, then make sure every
         parameter that got a gradient has a ``.grad`` view of it (``current``:
-        their ``.grad`` before)."""
+        their ``.grad`` before, None if not read yet)."""
+        if current is None:
+            current = self._sharded_grads()
         if output.device != self.grad_buffer.device:
             output = output.to(self.grad_buffer.device)
         ours = list(map(operator.is_, current, self._grad_views))
