@@ -13,6 +13,7 @@ Python bytecode per parameter.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -136,43 +137,84 @@ def collect_params(
     A parameter's ``owner_attr`` attribute describes the group already owning
     it; a parameter shared with another group is an error (both groups would
     shard and reduce it)."""
-    ignored_ids = {id(p) for p in ignored}
-    params: list[nn.Parameter] = []
-    fqns: list[str] = []
-    slot_dicts: list[dict] = []
-    slot_names: list[str] = []
-    slot_index: list[int] = []
-    index: dict[int, int] = {}
+    found = _Collected(ignored, owner_attr)
     seen_modules: set[int] = set()
     for root_index, root in enumerate(roots):
-        stack = [(root, "" if len(roots) == 1 else f"[{root_index}]")]
+        stack = [(root, "" if len(roots) == 1 else f"[{root_index}].")]
         while stack:
             module, prefix = stack.pop()
             if id(module) in seen_modules:
                 continue
             seen_modules.add(id(module))
             registry = module._parameters
-            for name, param in registry.items():
-                if param is None or (key := id(param)) in ignored_ids:
-                    continue
-                i = index.get(key)
-                if i is None:
-                    owner = getattr(param, owner_attr, None)
-                    if owner is not None:
-                        raise ValueError(
-                            f"fully_shard: parameter {prefix}{name} (shape "
-                            f"{tuple(param.shape)}) is shared with {owner}; a parameter can "
-                            "belong to one fully_shard group only: shard the modules that "
-                            "share it together (e.g. apply fully_shard to their common "
-                            "parent, or pass them as one list to fully_shard)"
-                        )
-                    i = index[key] = len(params)
-                    params.append(param)
-                    fqns.append(prefix + name)  # relative to the group's module; for messages
-                slot_dicts.append(registry)
-                slot_names.append(name)
-                slot_index.append(i)
+            if registry and not found.add_all(registry, prefix):
+                for name, param in registry.items():
+                    found.add(registry, name, param, prefix)
             for child_name, child in reversed(list(module._modules.items())):
                 if child is not None and not _is_managed_elsewhere(child):
                     stack.append((child, f"{prefix}{child_name}."))
-    return ManagedParams(params, fqns, slot_dicts, slot_names, slot_index)
+    return ManagedParams(
+        found.params, found.fqns, found.slot_dicts, found.slot_names, found.slot_index
+    )
+
+
+_is_none = functools.partial(operator.is_, None)
+
+
+class _Collected:
+    """The lists ``collect_params`` builds, filled one registration at a time
+    (``add``) or, for a module's whole registry of fresh, unshared, unowned
+    parameters (the usual case), with C-level passes (``add_all``)."""
+
+    def __init__(self, ignored: Iterable[nn.Parameter], owner_attr: str) -> None:
+        self.ignored_ids = {id(p) for p in ignored}
+        self.owner_attr = owner_attr
+        self.params: list[nn.Parameter] = []
+        self.fqns: list[str] = []  # relative to the group's module; for messages
+        self.slot_dicts: list[dict] = []
+        self.slot_names: list[str] = []
+        self.slot_index: list[int] = []
+        self.index: dict[int, int] = {}  # id(param) -> its position in params
+
+    def add_all(self, registry: dict, prefix: str) -> bool:
+        """Add every registration of ``registry`` if none is None, ignored,
+        already seen or owned by another group; else add nothing: False."""
+        names, params = list(registry), list(registry.values())
+        ids = list(map(id, params))
+        if (
+            any(map(_is_none, params))
+            or not self.ignored_ids.isdisjoint(ids)
+            or not self.index.keys().isdisjoint(ids)
+            or len(set(ids)) != len(ids)
+            or not all(map(_is_none, map(getattr, params, repeat(self.owner_attr), repeat(None))))
+        ):
+            return False
+        start, stop = len(self.params), len(self.params) + len(params)
+        self.index.update(zip(ids, range(start, stop), strict=True))
+        self.params += params
+        self.fqns += map(prefix.__add__, names)
+        self.slot_dicts += repeat(registry, len(params))
+        self.slot_names += names
+        self.slot_index += range(start, stop)
+        return True
+
+    def add(self, registry: dict, name: str, param: nn.Parameter | None, prefix: str) -> None:
+        if param is None or (key := id(param)) in self.ignored_ids:
+            return
+        i = self.index.get(key)
+        if i is None:
+            owner = getattr(param, self.owner_attr, None)
+            if owner is not None:
+                raise ValueError(
+                    f"fully_shard: parameter {prefix}{name} (shape "
+                    f"{tuple(param.shape)}) is shared with {owner}; a parameter can "
+                    "belong to one fully_shard group only: shard the modules that "
+                    "share it together (e.g. apply fully_shard to their common "
+                    "parent, or pass them as one list to fully_shard)"
+                )
+            i = self.index[key] = len(self.params)
+            self.params.append(param)
+            self.fqns.append(prefix + name)
+        self.slot_dicts.append(registry)
+        self.slot_names.append(name)
+        self.slot_index.append(i)
