@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import fsdp_rs
+from fsdp_rs.bench.cli import STEP_ROUNDS_SMALL
 
 STEP_FIELDS = {
     "bench": str,
@@ -75,6 +76,15 @@ def test_bench_step(tmp_path: Path) -> None:
         [t / f for f, t in zip(record["fsdp_rs_round_s"], record["torch_round_s"], strict=True)]
     )
     assert "rounds: min-max" in proc.stdout
+
+
+def test_bench_step_default_rounds(tmp_path: Path) -> None:
+    """Without --repeat, small models get the many rounds their noise needs."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--params", "20", "--block-params", "10", "--world-size", "2"]
+    _python(["-m", "fsdp_rs.bench", *argv, "--json", str(out)])
+    (record,) = json.loads(out.read_text())
+    assert record["repeat"] == STEP_ROUNDS_SMALL == len(record["round_speedups"])
 
 
 def test_bench_bad_input() -> None:

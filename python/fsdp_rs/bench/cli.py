@@ -20,7 +20,11 @@ INIT_TORCH_MAX_PARAMS = 100_000
 DEFAULT_BLOCK_PARAMS = 100
 DEFAULT_WORLD_SIZE = 8
 DEFAULT_REPEAT = 5
-STEP_DEFAULT_REPEAT = 5
+# Rounds of `bench step`: one round's overhead is the difference of two noisy
+# step times and on a shared 2-core machine swings by +-50%, so the median
+# needs many rounds where they are cheap (up to 1e4 params: seconds a round),
+# and gets fewer where a round takes a minute.
+STEP_ROUNDS_SMALL, STEP_ROUNDS_LARGE, STEP_SMALL_MAX_PARAMS = 15, 5, 10_000
 COPY_CASES = ("a", "b", "c", "d")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
 COPY_DEFAULT_DTYPES = "fp32,bf16,fp32"
 COPY_CUDA_REPEAT = 50
@@ -312,8 +316,13 @@ def _run_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _short(n: int) -> str:
+    """1e4 for 10000."""
+    return f"{n:.0e}".replace("e+0", "e")
+
+
 def _add_training_options(p: argparse.ArgumentParser, default_params: Sequence[int]) -> None:
-    shown = " ".join(f"{n:.0e}".replace("e+0", "e") for n in default_params)
+    shown = " ".join(map(_short, default_params))
     p.add_argument(
         "--params",
         metavar="N",
@@ -382,10 +391,10 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
         "--repeat",
         metavar="K",
         type=positive_int,
-        default=STEP_DEFAULT_REPEAT,
         help=(
             "rounds (per model: one untimed, two timed steps); medians over rounds are "
-            f"reported (default: {STEP_DEFAULT_REPEAT})"
+            f"reported (default: {STEP_ROUNDS_SMALL} up to N={_short(STEP_SMALL_MAX_PARAMS)}, "
+            f"then {STEP_ROUNDS_LARGE})"
         ),
     )
     p.set_defaults(run=_run_training, parser=p, bench="step")
@@ -410,8 +419,11 @@ def _run_training(args: argparse.Namespace) -> int:
                 n, args.world_size, args.block_params, torch_too, seed=args.seed
             )
         else:
+            rounds = args.repeat or (
+                STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE
+            )
             record = training.bench_step(
-                n, args.world_size, args.block_params, args.repeat, seed=args.seed
+                n, args.world_size, args.block_params, rounds, seed=args.seed
             )
         print(f"  N={n}: done", file=sys.stderr, flush=True)
         records.append({**record, **env})

@@ -13,7 +13,10 @@ others), and adopts parameters replaced since ``fully_shard`` (``to_empty``,
 Before a module's backward, a multi-grad hook on its forward outputs unshards
 its group (unless still unsharded) and prefetches the group that ran before it
 in forward. After the module's backward, an autograd function applied to its
-forward inputs reduces the gradients. Groups whose inputs need no gradient (the
+forward inputs reduces the gradients; with one input that needs a gradient, a
+pre-hook on the node of a view of it does (that node runs once the view's
+gradient is complete, when the function would; the hook costs a fraction of
+the function's forward and backward). Groups whose inputs need no gradient (the
 root, usually) are reduced by the root's end-of-backward callback, which also
 reshards every group and resets the per-iteration state.
 """
@@ -186,6 +189,12 @@ class FSDPState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
+        if len(idx) == 1:
+            # One input: the cheaper view pre-hook of [Note: Backward hooks].
+            (i,) = idx
+            flat[i] = flat[i].view_as(flat[i])
+            flat[i].grad_fn.register_prehook(self._post_backward_hook)
+            return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
         outs = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, outs, strict=True):
             flat[i] = t
@@ -237,6 +246,9 @@ class FSDPState:
     def post_backward(self) -> None:
         if self.group is not None and not self.group.post_backward_done:
             self.group.post_backward()
+
+    def _post_backward_hook(self, grads: tuple) -> None:
+        self.post_backward()
 
     def _end_of_backward(self) -> None:
         """The root's callback once the whole backward ran; see [Note: Backward hooks]."""
