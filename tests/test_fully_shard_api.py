@@ -188,6 +188,63 @@ def test_gradients_match_autograd(gloo1, reshard_after_forward):
                 assert torch.allclose(actual[name], g, rtol=1e-6, atol=0), name
 
 
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(y)
+
+
+class Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.block = TwoInputs()
+
+    def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+        h = self.lin(x)
+        return self.block(h, h.tanh() if both else x)
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-input", "two-inputs"])
+def test_post_backward_runs_during_backward(gloo1, monkeypatch, both):
+    """A block's gradients are reduced once its backward is done, not at the
+    end of the whole backward: through the view pre-hook when one input needs
+    a gradient, the autograd function when two do. Gradients equal autograd's."""
+    from fsdp_rs.runtime.param_group import FSDPParamGroup
+    from fsdp_rs.runtime.state import FSDPState
+
+    torch.manual_seed(0)
+    reference = Stem()
+    model = Stem()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model.block)
+    fully_shard(model)
+    ending, calls = [False], []
+    post_backward, end = FSDPParamGroup.post_backward, FSDPState._end_of_backward
+
+    def spy_post_backward(group):
+        calls.append((group, ending[0]))
+        post_backward(group)
+
+    def spy_end(state):
+        ending[0] = True
+        end(state)
+
+    monkeypatch.setattr(FSDPParamGroup, "post_backward", spy_post_backward)
+    monkeypatch.setattr(FSDPState, "_end_of_backward", spy_end)
+    x = torch.randn(2, 4)
+    model(x, both).sum().backward()
+    reference(x, both).sum().backward()
+    assert calls == [(model.block._state.group, False), (model._state.group, True)]
+    expected, actual = _grads(reference), _grads(model)
+    for name, g in expected.items():
+        assert torch.equal(actual[name], g), name
+
+
 def test_setters_reach_every_group(fake2):
     model = shard(mlp())
     model.set_requires_gradient_sync(False)
