@@ -25,19 +25,17 @@ gradient once ([Note: Pointer tables]).
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
 import torch.distributed as dist
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
-from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, set_grads
+from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 
 __all__ = ["GradientReduction"]
 
 _VERSION = operator.attrgetter("_version")
-_is_none = functools.partial(operator.is_, None)  # `None in tensors` calls Tensor.__eq__
 
 
 class GradientReduction:
@@ -85,7 +83,7 @@ class GradientReduction:
         if not self.preplace_grads or self._placed or self.unsharded_params is None:
             return
         params = self._unsharded_with_grad
-        if not params or not all(map(_is_none, get_grads(params))):
+        if not params or not all(map(is_none, get_grads(params))):
             return
         storage = self.unsharded_grad.untyped_storage()
         storage.resize_(self.unsharded_grad.numel() * self.unsharded_grad.element_size())
@@ -139,7 +137,7 @@ class GradientReduction:
                 grads = [
                     None if a and not h else g for g, a, h in zip(grads, aliased, had, strict=True)
                 ]
-            if not all(map(_is_none, grads)) or self._has_accumulated():
+            if not all(map(is_none, grads)) or self._has_accumulated():
                 self._reduce_list(grads)
 
     def _has_accumulated(self) -> bool:
@@ -308,7 +306,7 @@ class GradientReduction:
             and self.grad_buffer.dtype == self.reduce_dtype
             and self.grad_buffer.device == self.device
             and all(had_grad)
-            and all(map(_is_none, current))
+            and all(map(is_none, current))
         )
 
     def _assign_grads(
@@ -329,7 +327,7 @@ class GradientReduction:
         if all(ours) and all(had_grad):
             self.shard_ops.post_reduce(output, self.grad_buffer, divide, True)
             return
-        if all(map(_is_none, current)) and all(had_grad):
+        if all(map(is_none, current)) and all(had_grad):
             self.shard_ops.post_reduce(output, self.grad_buffer, divide, False)
             set_grads(self._grad_params, self._grad_views)
             return

@@ -28,10 +28,13 @@ __all__ = [
     "clear_grads",
     "collect_params",
     "get_grads",
+    "is_none",
     "set_grads",
 ]
 
 _get_grad = operator.attrgetter("grad")
+# For map(); `None in tensors` would call Tensor.__eq__.
+is_none = functools.partial(operator.is_, None)
 
 
 def get_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -158,9 +161,6 @@ def collect_params(
     )
 
 
-_is_none = functools.partial(operator.is_, None)
-
-
 class _Collected:
     """The lists ``collect_params`` builds, filled one registration at a time
     (``add``) or, for a module's whole registry of fresh, unshared, unowned
@@ -182,11 +182,11 @@ class _Collected:
         names, params = list(registry), list(registry.values())
         ids = list(map(id, params))
         if (
-            any(map(_is_none, params))
+            any(map(is_none, params))
             or not self.ignored_ids.isdisjoint(ids)
             or not self.index.keys().isdisjoint(ids)
             or len(set(ids)) != len(ids)
-            or not all(map(_is_none, map(getattr, params, repeat(self.owner_attr), repeat(None))))
+            or not all(map(is_none, map(getattr, params, repeat(self.owner_attr), repeat(None))))
         ):
             return False
         start, stop = len(self.params), len(self.params) + len(params)
