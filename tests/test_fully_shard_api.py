@@ -378,3 +378,34 @@ def test_mixed_dtypes_one_group_per_dtype(gloo1):
     assert {k: v.dtype for k, v in state.items()} == {
         k: v.dtype for k, v in reference.state_dict().items()
     }
+
+
+def test_identical_groups_share_one_layout(fake2):
+    """Groups with the same shapes, dtypes and mesh place share one plan and one
+    set of tables ([Note: Shared group layouts]); others get their own, and a
+    layout goes with the last group using it."""
+    from fsdp_rs.runtime.layout import _LAYOUTS
+
+    def blocks() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.Linear(5, 7), nn.Linear(7, 5))
+
+    model = blocks()
+    for block in model:
+        fully_shard(block)
+    first, second, third = (block._state.group for block in model)
+    assert first.layout is second.layout and first.tables is second.tables
+    assert third.layout is not first.layout
+    assert first.plan is second.plan
+    # each block's shards are still its own data (rank 1 of 2: the second chunk)
+    for block, reference in zip(model, blocks(), strict=True):
+        for p, q in zip(block.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.to_local(), torch.chunk(q.detach(), 2)[1])
+    bf16 = nn.Linear(5, 7).to(torch.bfloat16)
+    fully_shard(bf16)
+    assert bf16._state.group.layout is not first.layout
+    layout = weakref.ref(first.layout)
+    del model, first, second, third, block
+    gc.collect()
+    assert layout() is None
+    assert bf16._state.group.layout in _LAYOUTS.values()

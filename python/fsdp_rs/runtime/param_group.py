@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
-from fsdp_rs.ops import EagerOps, GroupTables
-from fsdp_rs.planning import plan_group, shapes_to_arrays
+from fsdp_rs.ops import EagerOps
 from fsdp_rs.runtime.gradients import GradientReduction
+from fsdp_rs.runtime.layout import group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
 from fsdp_rs.runtime.streams import NO_STREAMS
@@ -106,24 +106,24 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.shapes = list(map(_SHAPE, params))
         self.requires_grad = list(map(_REQUIRES_GRAD, params))
         self.post_forward_size = post_forward_size
-        ndims, dims = shapes_to_arrays(self.shapes)
-        self._first_dims = dims[np.cumsum(ndims) - ndims]
-        self.plan = plan_group(
-            ndims,
-            dims,
+        # [Note: Shared group layouts]
+        self.layout = group_layout(
+            self.shapes,
+            self.orig_dtype,
+            param_dtype,
+            self.reduce_dtype,
             info.shard_size,
             info.shard_rank,
-            orig_elem_size=self.orig_dtype.itemsize,
-            param_elem_size=param_dtype.itemsize,
-            reduce_elem_size=self.reduce_dtype.itemsize,
-            post_forward_world_size=post_forward_size,
+            post_forward_size,
+            self.device,
         )
-        self.tables = GroupTables.from_plan(self.plan, self.device)
+        self.plan = self.layout.plan
+        self.tables = self.layout.tables
+        # Contiguous strides are those of the full, padded and sharded shapes alike.
+        self.strides = self.layout.strides
         self.ops = EagerOps(self.device)  # [Note: Eager op calls]
         self.shard_ops = EagerOps(self.shard_device)
         self._specs = _Specs(info)
-        # Contiguous strides are those of the full, padded and sharded shapes alike.
-        self.strides, self._sharded_sizes = self._per_param_layouts()
         self.post_forward_group = (
             post_forward_process_group(info, post_forward_size)
             if post_forward_size not in (None, 1, info.shard_size)
@@ -240,14 +240,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             if row.numel() == plan.row_numel:  # no gaps
                 self.sharded.copy_(row)
             else:
-                # Column of every element of the row: param p's n elements start
-                # at row_offsets[p] instead of at the running sum of the n's
-                # (kernels' segment_columns, in NumPy: 12 us a group, not 64 us).
-                shift = plan.row_offsets - (np.cumsum(padded) - padded)
-                cols = np.arange(row.numel()) + np.repeat(shift, padded)
-                self.sharded.index_copy_(0, torch.from_numpy(cols).to(row.device), row)
+                cols = self.layout.fill_columns().to(row.device)
+                self.sharded.index_copy_(0, cols, row)
             return
-        starts = np.minimum(plan.chunk_rows * info.shard_rank, self._first_dims)
+        starts = np.minimum(plan.chunk_rows * info.shard_rank, self.layout.first_dims)
         sources = list(
             map(
                 torch.Tensor.narrow,
@@ -259,30 +255,14 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         )
         torch._foreach_copy_(views, sources)
 
-    def _per_param_layouts(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """Each param's contiguous strides and sharded size, as tuples. Both are
-        functions of the param's shape, so they are read from the plan once per
-        distinct shape and looked up per param in C (``map`` over a dict)."""
-        plan, shapes = self.plan, self.shapes
-        # Distinct shapes -> index of their first param (later duplicates are
-        # overwritten by earlier ones: the pairs are fed in reverse).
-        first = dict(zip(reversed(shapes), range(len(shapes) - 1, -1, -1), strict=True))
-        bounds = plan.dim_offsets.tolist()
-        strides, sizes = plan.contiguous_strides.tolist(), plan.sharded_sizes.tolist()
-        stride_of, size_of = {}, {}
-        for shape, i in first.items():
-            stride_of[shape] = tuple(strides[bounds[i] : bounds[i + 1]])
-            size_of[shape] = tuple(sizes[bounds[i] : bounds[i + 1]])
-        return list(map(stride_of.__getitem__, shapes)), list(map(size_of.__getitem__, shapes))
-
     def _sharded_view(self, local: torch.Tensor, shape: torch.Size, stride) -> DTensor:
         """A DTensor (not a parameter) over ``local``, this rank's shard."""
         return _dtensor(local, self._specs(shape, stride, local.dtype))
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
-        offsets = self.plan.row_offsets.tolist()
-        return list(map(buffer.as_strided, self._sharded_sizes, self.strides, offsets))
+        layout = self.layout
+        return list(map(buffer.as_strided, layout.sharded_sizes, self.strides, layout.row_offsets))
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         dtype = self.sharded.dtype
