@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +25,20 @@ import torch
 from fsdp_rs.ops import GroupTables
 from fsdp_rs.planning import plan_group, shapes_to_arrays
 
-__all__ = ["GroupLayout", "group_layout"]
+__all__ = ["GroupLayout", "LayoutKey", "group_layout"]
+
+
+class LayoutKey(NamedTuple):
+    """All a group's layout depends on."""
+
+    shapes: tuple[torch.Size, ...]
+    orig_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    shard_size: int
+    shard_rank: int
+    post_forward_size: int | None
+    device: torch.device
 
 
 class GroupLayout:
@@ -43,30 +57,21 @@ class GroupLayout:
         "tables",
     )
 
-    def __init__(
-        self,
-        shapes: Sequence[torch.Size],
-        orig_dtype: torch.dtype,
-        param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        shard_size: int,
-        shard_rank: int,
-        post_forward_size: int | None,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, key: LayoutKey) -> None:
+        shapes = key.shapes
         ndims, dims = shapes_to_arrays(shapes)
         self.first_dims = dims[np.cumsum(ndims) - ndims]
         self.plan = plan_group(
             ndims,
             dims,
-            shard_size,
-            shard_rank,
-            orig_elem_size=orig_dtype.itemsize,
-            param_elem_size=param_dtype.itemsize,
-            reduce_elem_size=reduce_dtype.itemsize,
-            post_forward_world_size=post_forward_size,
+            key.shard_size,
+            key.shard_rank,
+            orig_elem_size=key.orig_dtype.itemsize,
+            param_elem_size=key.param_dtype.itemsize,
+            reduce_elem_size=key.reduce_dtype.itemsize,
+            post_forward_world_size=key.post_forward_size,
         )
-        self.tables = GroupTables.from_plan(self.plan, device)
+        self.tables = GroupTables.from_plan(self.plan, key.device)
         self.row_offsets: list[int] = self.plan.row_offsets.tolist()
         self.strides, self.sharded_sizes = self._per_param_layouts(shapes)
         self._fill_columns: torch.Tensor | None = None
@@ -105,30 +110,10 @@ class GroupLayout:
 _LAYOUTS: weakref.WeakValueDictionary[tuple, GroupLayout] = weakref.WeakValueDictionary()
 
 
-def group_layout(
-    shapes: Sequence[torch.Size],
-    orig_dtype: torch.dtype,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    shard_size: int,
-    shard_rank: int,
-    post_forward_size: int | None,
-    device: torch.device,
-) -> GroupLayout:
-    """The layout for these arguments: the one a live group already uses, or a
-    new one."""
-    key = (
-        tuple(shapes),
-        orig_dtype,
-        param_dtype,
-        reduce_dtype,
-        shard_size,
-        shard_rank,
-        post_forward_size,
-        device,
-    )
+def group_layout(key: LayoutKey) -> GroupLayout:
+    """The layout for ``key``: the one a live group already uses, or a new one."""
     layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = GroupLayout(*key)
+        layout = GroupLayout(key)
         _LAYOUTS[key] = layout
     return layout

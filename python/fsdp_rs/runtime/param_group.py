@@ -25,7 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.ops import EagerOps
 from fsdp_rs.runtime.gradients import GradientReduction
-from fsdp_rs.runtime.layout import group_layout
+from fsdp_rs.runtime.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
 from fsdp_rs.runtime.streams import NO_STREAMS
@@ -108,14 +108,16 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.post_forward_size = post_forward_size
         # [Note: Shared group layouts]
         self.layout = group_layout(
-            self.shapes,
-            self.orig_dtype,
-            param_dtype,
-            self.reduce_dtype,
-            info.shard_size,
-            info.shard_rank,
-            post_forward_size,
-            self.device,
+            LayoutKey(
+                tuple(self.shapes),
+                self.orig_dtype,
+                param_dtype,
+                self.reduce_dtype,
+                info.shard_size,
+                info.shard_rank,
+                post_forward_size,
+                self.device,
+            )
         )
         self.plan = self.layout.plan
         self.tables = self.layout.tables
