@@ -2,4 +2,5 @@
 
 from fsdp_rs.bench.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned worker re-imports this module
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ sets ``run`` to the function that executes it and returns the exit status.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 from collections.abc import Sequence
 
@@ -400,8 +401,19 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_training, parser=p, bench="step")
 
 
+def _measure(
+    bench: str, n: int, world_size: int, block_params: int, seed: int, torch_too: bool, rounds: int
+) -> dict:
+    """One N of ``bench init`` or ``bench step``; runs in a process of its own."""
+    from fsdp_rs.bench import training
+
+    if bench == "init":
+        return training.bench_init(n, world_size, block_params, torch_too, seed=seed)
+    return training.bench_step(n, world_size, block_params, rounds, seed=seed)
+
+
 def _run_training(args: argparse.Namespace) -> int:
-    from fsdp_rs.bench import report, training
+    from fsdp_rs.bench import report
     from fsdp_rs.bench.plan import environment
 
     env = environment()
@@ -409,22 +421,21 @@ def _run_training(args: argparse.Namespace) -> int:
     default = DEFAULT_PARAMS if args.bench == "init" else STEP_DEFAULT_PARAMS
     print(
         f"{args.bench}: fake process group W={args.world_size} (rank 0), blocks of "
-        f"{args.block_params} params, one fully_shard group per block plus the root",
+        f"{args.block_params} params, one fully_shard group per block plus the root; "
+        "each N in a fresh process",
         flush=True,
     )
+    # Each N in a fresh interpreter: what an earlier N left in the heap (torch
+    # FSDP2 at 1e5 creates and frees tens of millions of objects) slowed the
+    # next one, fsdp-rs at 1e6 by a third.
+    spawn = multiprocessing.get_context("spawn")
     for n in args.params or default:
-        if args.bench == "init":
-            torch_too = n <= args.torch_max_params
-            record = training.bench_init(
-                n, args.world_size, args.block_params, torch_too, seed=args.seed
-            )
-        else:
-            rounds = args.repeat or (
-                STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE
-            )
-            record = training.bench_step(
-                n, args.world_size, args.block_params, rounds, seed=args.seed
-            )
+        torch_too = args.bench == "init" and n <= args.torch_max_params
+        rounds = args.repeat if args.bench == "step" else None
+        rounds = rounds or (STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE)
+        measure_args = (args.bench, n, args.world_size, args.block_params, args.seed)
+        with spawn.Pool(1) as worker:
+            record = worker.apply(_measure, (*measure_args, torch_too, rounds))
         print(f"  N={n}: done", file=sys.stderr, flush=True)
         records.append({**record, **env})
 
