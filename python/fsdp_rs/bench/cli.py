@@ -401,19 +401,8 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_training, parser=p, bench="step")
 
 
-def _measure(
-    bench: str, n: int, world_size: int, block_params: int, seed: int, torch_too: bool, rounds: int
-) -> dict:
-    """One N of ``bench init`` or ``bench step``; runs in a process of its own."""
-    from fsdp_rs.bench import training
-
-    if bench == "init":
-        return training.bench_init(n, world_size, block_params, torch_too, seed=seed)
-    return training.bench_step(n, world_size, block_params, rounds, seed=seed)
-
-
 def _run_training(args: argparse.Namespace) -> int:
-    from fsdp_rs.bench import report
+    from fsdp_rs.bench import report, training
     from fsdp_rs.bench.plan import environment
 
     env = environment()
@@ -430,12 +419,15 @@ def _run_training(args: argparse.Namespace) -> int:
     # next one, fsdp-rs at 1e6 by a third.
     spawn = multiprocessing.get_context("spawn")
     for n in args.params or default:
-        torch_too = args.bench == "init" and n <= args.torch_max_params
-        rounds = args.repeat if args.bench == "step" else None
-        rounds = rounds or (STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE)
-        measure_args = (args.bench, n, args.world_size, args.block_params, args.seed)
+        model = (n, args.world_size, args.block_params)
+        if args.bench == "init":
+            torch_too = n <= args.torch_max_params
+            measure, measure_args = training.bench_init, (*model, torch_too)
+        else:
+            default_rounds = STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE
+            measure, measure_args = training.bench_step, (*model, args.repeat or default_rounds)
         with spawn.Pool(1) as worker:
-            record = worker.apply(_measure, (*measure_args, torch_too, rounds))
+            record = worker.apply(measure, measure_args, {"seed": args.seed})
         print(f"  N={n}: done", file=sys.stderr, flush=True)
         records.append({**record, **env})
 
