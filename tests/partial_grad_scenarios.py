@@ -63,17 +63,23 @@ class MoE(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, aux: bool = False) -> None:
+    def __init__(self, aux: int | None = None) -> None:
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
         self.layers = nn.ModuleList([MoE(), MoE()])
-        self.aux = nn.Linear(DIM, DIM) if aux else None
+        self.aux_at = aux  # the aux module reads the input of layer aux_at (2: the output)
+        self.aux = nn.Linear(DIM, DIM) if aux is not None else None
         self.out = nn.Linear(DIM, 3)
 
     def forward(self, x: torch.Tensor, hint: torch.Tensor, use_aux: bool = False):
-        h = self.layers[0](self.inp(x), hint)
-        a = self.aux(h) if self.aux is not None else None  # runs on every rank
-        h = self.layers[1](h, hint)
+        h = self.inp(x)
+        a = None
+        for i, layer in enumerate(self.layers):
+            if i == self.aux_at:
+                a = self.aux(h)  # runs on every rank
+            h = layer(h, hint)
+        if self.aux_at == len(self.layers):
+            a = self.aux(h)
         loss = self.out(h).pow(2).mean()
         if use_aux:  # ... but reaches the loss on some ranks only
             loss = loss + a.pow(2).mean()
@@ -108,16 +114,20 @@ SCENARIOS: dict[str, dict] = {
                                       "min_world": 4},
     "bf16": {"mp": True},
     "offload": {"offload": True},
-    # a fully_shard module whose output reaches the loss on rank 0 only
-    "unused_output": {"aux": True},
-    "unused_output_no_reshard": {"aux": True, "kwargs": {"reshard_after_forward": False}},
-    "unused_output_list_path": {"aux": True, "list_path": True},
+    # a fully_shard module whose output reaches the loss on rank 0 only, placed
+    # between the layers, before the first and after the last
+    "unused_output": {"aux": 1},
+    "unused_output_first": {"aux": 0},
+    "unused_output_last": {"aux": 2},
+    "unused_output_no_reshard": {"aux": 1, "kwargs": {"reshard_after_forward": False}},
+    "unused_output_list_path": {"aux": 1, "list_path": True},
+    "unused_output_accumulate": {"aux": 1, "micro": 4},
 }  # fmt: skip
 
 
 def _build(spec: dict) -> Net:
     torch.manual_seed(0)
-    return Net(aux=spec.get("aux", False))
+    return Net(aux=spec.get("aux"))
 
 
 def _shard(model: Net, spec: dict, world_size: int) -> None:
@@ -155,7 +165,7 @@ def _reference_grads(ref: Net, spec: dict, world_size: int, step: int) -> None:
     for r in range(world_size):
         for k in range(micro):
             x, hint = data(r, world_size, step, k)
-            use_aux = spec.get("aux", False) and r == 0
+            use_aux = spec.get("aux") is not None and r == 0
             if not spec.get("mp"):
                 (ref(x, hint, use_aux) / world_size).backward()
                 continue
@@ -211,7 +221,7 @@ def run(spec: dict, world_size: int, rank: int) -> dict:
             else:
                 model.set_requires_gradient_sync(last)
             x, hint = data(rank, world_size, step, k)
-            use_aux = spec.get("aux", False) and rank == 0
+            use_aux = spec.get("aux") is not None and rank == 0
             model(x, hint, use_aux).backward()
             if ddp is not None:
                 ddp(x, hint, use_aux).backward()

@@ -5,6 +5,7 @@ tests and the broken-protocol tests show it finds what it should."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ CONFIGS: dict[str, dict] = {
     "unshard_api": {"unshard_api": True},
     "one_rank": {"world": 1},
     "mixed_dtypes_one_root_group": {"mixed": True, "mp": True, "root_only": True},
+    # a root parameter with no gradient here that another rank had one for: its
+    # .grad is assigned after the agreement ([Note: Gradient agreement])
+    "partial_grads": {"partial": True},
 }
 
 
@@ -66,6 +70,8 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
     if config.get("hsdp"):
         kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2))
     layers = [model[0], model[2], model[3]]
+    if config.get("partial"):
+        model.unused = nn.Parameter(torch.randn(3, 3))  # not read: no gradient on this rank
     if config.get("mixed"):
         model[2].to(torch.bfloat16)  # with mp: one group per dtype under the root
     if config.get("root_only"):
@@ -101,6 +107,8 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
                     model[0].unshard()
                     handle.wait()
                 model(torch.randn(4, 16)).float().pow(2).mean().backward()
+            if config.get("partial"):  # another rank had one, so this one has a .grad
+                assert model.unused.grad is not None
             opt.step()
             opt.zero_grad(set_to_none=step % 2 == 0)
             if config.get("post_optim_event"):
@@ -109,9 +117,28 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
 
 
 def _run(name: str) -> RaceChecker:
-    with simulated_streams() as (device, checker):
+    with simulated_streams() as (device, checker), contextlib.ExitStack() as stack:
+        if CONFIGS[name].get("partial"):
+            stack.enter_context(_another_rank_had_every_gradient())
         train(CONFIGS[name], device, checker)
     return checker
+
+
+@contextlib.contextmanager
+def _another_rank_had_every_gradient():
+    """The fake process group's all-reduce leaves its input alone; the flags'
+    MAX over a rank that had every gradient is all ones."""
+    import fsdp_rs.runtime.agreement as agreement
+
+    def all_reduce(tensor, op=None, group=None):
+        tensor.fill_(1)
+
+    real = agreement.dist.all_reduce
+    agreement.dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        agreement.dist.all_reduce = real
 
 
 def _name_streams(model: nn.Module) -> None:

@@ -11,8 +11,8 @@ versions]). Autograd then adds into the buffer in place instead of handing
 over a fresh tensor per parameter, and the post-backward reads the whole group
 with one ``reduce_scatter_copy_in_flat``: no per-parameter flatten, cat or
 checks. Which parameters received a gradient is read off the aliases' version
-counters; one whose counter did not move is treated as having none (its sharded
-``.grad`` stays as it was, as in FSDP2).
+counters; one whose counter did not move got none on this rank (which ranks
+keep a ``.grad`` then is [Note: Gradient agreement]).
 
 Anything else (a ``.grad`` the user set or cleared in between, a gradient that
 arrived before the hook, ``create_graph=True`` replacing the alias) is noticed
@@ -21,6 +21,27 @@ the list autograd left. On CUDA that path is the default: in-place
 accumulation would add one kernel launch per parameter and a memset plus a
 read-modify-write of the buffer, where the pointer-table copy-in reads each
 gradient once ([Note: Pointer tables]).
+
+[Note: Gradient agreement]
+Which parameters got a gradient is a local observation: in a mixture of
+experts, an expert that no token of this rank was routed to gets none here and
+one on the rank its tokens went to. The ``.grad`` state after backward must
+not follow it: every rank of the mesh ends with the same set of sharded
+``.grad``s, each holding all ranks' contributions (a missing gradient counts
+as zeros), else the optimizer steps some rows of a parameter and not others.
+So no local observation decides a collective or an assignment alone:
+
+- every group with trainable parameters runs its reduce-scatter at every synced
+  post-backward, whatever this rank's gradients (zeros where there are none),
+  in the same order on every rank ([Note: Backward order]); its input has
+  FSDP2's layout, so the reduction sums each element in FSDP2's order;
+- a parameter this rank had a gradient for had one somewhere: it is assigned
+  at once. One it had none for waits for ``GradientAgreement`` at the end of
+  backward: one all-reduce (MAX) of a flag per parameter of every group reduced
+  in that backward, per mesh, on every rank; a rank that missed some reads the
+  flags (a device sync, only then) and assigns a ``.grad`` to each parameter
+  some rank had a gradient for. A rank that had every gradient pays one small
+  collective per backward and no sync.
 """
 
 from __future__ import annotations
@@ -56,6 +77,11 @@ class GradientReduction:
         self._accumulated: list[torch.Tensor | None] | None = None
         self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
         self._partial_reduce: torch.Tensor | None = None
+        self._partial_had: list[bool] | None = None  # this rank's, for _partial_reduce
+        # the post-reduced row whose parameters this rank had no gradient for
+        # wait on ([Note: Gradient agreement]), and the agreement (the root's)
+        self._unagreed: torch.Tensor | None = None
+        self.agreement = None
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
         self._grad_views = None
 
@@ -104,8 +130,8 @@ class GradientReduction:
         """Reduce the gradients autograd left on the unsharded parameters into the
         sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
         self.post_backward_done = True
-        if self.unsharded_params is None:
-            return
+        if self.unsharded_params is None or not self._grad_index:
+            return  # never unsharded, or nothing trainable: the same on every rank
         params = self._unsharded_with_grad
         grads = get_grads(params)
         clear_grads(params)
@@ -129,21 +155,15 @@ class GradientReduction:
             had = list(map(operator.ne, versions, self._versions))
             self._versions = versions
             aliased = list(map(operator.is_, grads, self._grad_aliases))
+        # Reduced even where this rank has no gradient: [Note: Gradient agreement].
         if aliased and all(aliased):
-            if any(had) or self._has_accumulated():
-                self._reduce_buffer(self.unsharded_grad, had)
+            self._reduce_buffer(self.unsharded_grad, had)
         else:
             if aliased:  # some replaced (by the user, or create_graph=True)
                 grads = [
                     None if a and not h else g for g, a, h in zip(grads, aliased, had, strict=True)
                 ]
-            if not all(map(is_none, grads)) or self._has_accumulated():
-                self._reduce_list(grads)
-
-    def _has_accumulated(self) -> bool:
-        """Gradients kept by a no-sync backward are reduced by the next synced one,
-        even where it brings no new gradient (as FSDP2 does)."""
-        return self._accumulated is not None or self._accumulated_buffer is not None
+            self._reduce_list(grads)
 
     def _buffer_as_list(self, buffer: torch.Tensor, had: list[bool]) -> list[torch.Tensor | None]:
         views = [buffer.as_strided(s, st, off) for off, s, st in self._grad_layouts()]
@@ -192,7 +212,8 @@ class GradientReduction:
         self.ops.reduce_scatter_copy_in(
             full, rs_in, *self.tables.reduce_scatter_args(), division.pre
         )
-        self._reduce_scatter(rs_in, division, [g is not None for g in grads])
+        had = [g is not None for g in grads]
+        self._reduce_scatter(rs_in, division, had)
 
     def _division(self):
         info = self.info
@@ -242,9 +263,10 @@ class GradientReduction:
                 # until a backward all-reduces them (on this stream: it made them).
                 if self._partial_reduce is not None:
                     output = output + self._partial_reduce
-                    self._partial_reduce = None
+                    had_grad = list(map(operator.or_, had_grad, self._partial_had))
+                    self._partial_reduce = self._partial_had = None
                 if not self.all_reduce_grads:
-                    self._partial_reduce = output
+                    self._partial_reduce, self._partial_had = output, had_grad
                     self._end_reduction(rs_in, rs_event, rs_stream, streams.record(rs_stream), None)
                     return
         hook = self.all_reduce_hook
@@ -265,6 +287,7 @@ class GradientReduction:
             else:
                 self._assign_grads(output, post, had_grad, current)
             post_event = streams.record(post_stream)
+        self.agreement.note(self, had_grad, post_stream)
         # One rank: the post-reduce read the input itself.
         rs_in_event = post_event if info.shard_size == 1 else rs_event
         self._end_reduction(rs_in, rs_in_event, post_stream, post_event, output)
@@ -317,8 +340,9 @@ class GradientReduction:
         current: list[torch.Tensor | None] | None,
     ) -> None:
         """Post-reduce into the sharded gradient buffer, then make sure every
-        parameter that got a gradient has a ``.grad`` view of it (``current``:
-        their ``.grad`` before, None if not read yet)."""
+        parameter that got a gradient on this rank has a ``.grad`` view of it
+        (``current``: their ``.grad`` before, None if not read yet). The others
+        wait for the agreement ([Note: Gradient agreement])."""
         if current is None:
             current = self._sharded_grads()
         if output.device != self.grad_buffer.device:
@@ -334,15 +358,33 @@ class GradientReduction:
         # Rare path (some gradients None or replaced by the user): per parameter.
         fresh = torch.empty_like(self.grad_buffer)
         self.shard_ops.post_reduce(output, fresh, divide, False)
+        self._assign_from(fresh, had_grad, current)
+        if not all(had_grad):
+            self._unagreed = fresh
+
+    def assign_agreed(self, had_grad: list[bool], agreed: list[bool]) -> None:
+        """Once the ranks agreed: assign the parameters some rank had a gradient
+        for and this one had none for (on the stream of their post-reduce)."""
+        fresh, self._unagreed = self._unagreed, None
+        wanted = [a and not h for a, h in zip(agreed, had_grad, strict=True)]
+        if any(wanted):
+            self._assign_from(fresh, wanted, self._sharded_grads())
+
+    def _assign_from(
+        self, fresh: torch.Tensor, which: list[bool], current: list[torch.Tensor | None]
+    ) -> None:
+        """Per parameter, the ``which`` ones: ``fresh`` (post-reduced, in the
+        sharded layout) becomes or is added to its ``.grad``."""
         fresh_views = self._local_views(fresh)
         own_views = self._local_views(self.grad_buffer)
+        views = self._grad_views
         for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
-            if not had_grad[k]:
+            if not which[k]:
                 continue
             if current[k] is None:
                 own_views[i].copy_(fresh_views[i])
-                p.grad = self._grad_views[k]
-            elif ours[k]:
+                p.grad = views[k]
+            elif current[k] is views[k]:
                 own_views[i].add_(fresh_views[i])
             else:
                 current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))

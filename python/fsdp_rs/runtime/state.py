@@ -18,7 +18,9 @@ pre-hook on the node of a view of it does (that node runs once the view's
 gradient is complete, when the function would; the hook costs a fraction of
 the function's forward and backward). Groups whose inputs need no gradient (the
 root, usually) are reduced by the root's end-of-backward callback, which also
-reshards every group and resets the per-iteration state.
+reshards every group and resets the per-iteration state. Every rank visits
+the groups' backward events in one order, replaying those whose hooks did not
+fire on it ([Note: Backward order]).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from fsdp_rs.runtime.agreement import GradientAgreement
+from fsdp_rs.runtime.backward_order import BackwardOrder
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
@@ -43,6 +47,12 @@ class Context:
         self.states = states
         self.streams = streams
         self.forward_order: list[FSDPState] = []
+        # [Note: Backward order] the module calls that registered a pre-backward
+        # hook in forward, with whether they registered a post-backward one too;
+        # and, during a backward, where it is in them.
+        self.backward_slots: list[tuple[FSDPState, bool]] = []
+        self.backward_order: BackwardOrder | None = None
+        self.agreement = GradientAgreement(streams)
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event = None
@@ -81,6 +91,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self._modules_done = 0
         self._forward_index = -1
+        self._call_hooked = False  # this module call registered a post-backward hook
         # Set before lazy init: the root's go to the context.
         self.is_last_backward = True
         self.post_optim_event = None
@@ -115,6 +126,7 @@ class FSDPState:
         context = Context(states, CommStreams(groups[0].device) if groups else NO_STREAMS)
         for group in groups:
             group.streams = context.streams
+            group.agreement = context.agreement
         context.is_last_backward = self.is_last_backward
         context.post_optim_event = self.post_optim_event
         for state in states:
@@ -151,6 +163,7 @@ class FSDPState:
             for other in self.forward_prefetch:
                 if other.group is not None:
                     other.group.prefetch()
+        self._call_hooked = False
         if torch.is_grad_enabled() and group is not None:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -159,6 +172,7 @@ class FSDPState:
         context = self.context
         if torch.is_grad_enabled():
             context.forward_order = []
+            context.backward_slots = []
         # The all-gathers read the sharded buffers the optimizer wrote.
         context.streams.all_gather_streams_wait_current(context.post_optim_event)
         context.post_optim_event = None
@@ -189,6 +203,7 @@ class FSDPState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
+        self._call_hooked = True
         if len(idx) == 1:
             # One input: the cheaper view pre-hook of [Note: Backward hooks].
             (i,) = idx
@@ -215,6 +230,11 @@ class FSDPState:
             tensors[0].register_hook(self._pre_backward)
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        else:
+            return output
+        context = self.context
+        if context.backward_order is None:  # not a recomputation inside backward
+            context.backward_slots.append((self, self._call_hooked))
         return output
 
     def _pre_backward(self, *unused: Any) -> None:
@@ -222,6 +242,19 @@ class FSDPState:
         if not context.callback_queued:
             context.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            context.backward_order = BackwardOrder(context.backward_slots)
+        # [Note: Backward order] the slots before this one that did not fire here
+        for state, hooked in context.backward_order.skipped_before(self):
+            state._replay(hooked)
+        self._run_pre_backward()
+
+    def _replay(self, hooked: bool) -> None:
+        """A slot whose hooks did not fire on this rank: what they would have done."""
+        self._run_pre_backward()
+        if hooked:
+            self.post_backward()
+
+    def _run_pre_backward(self) -> None:
         group = self.group
         if group is None:
             return
@@ -254,6 +287,9 @@ class FSDPState:
         """The root's callback once the whole backward ran; see [Note: Backward hooks]."""
         context = self.context
         context.callback_queued = False
+        for state, hooked in context.backward_order.rest():
+            state._replay(hooked)
+        context.backward_order = None
         for state in context.states:
             group = state.group
             if group is None:
@@ -268,6 +304,7 @@ class FSDPState:
                 group.reshard()
             group.post_backward_done = False
             state._modules_done = 0
+        context.agreement.resolve()  # [Note: Gradient agreement]
         context.streams.end_of_backward()
         if context.is_last_backward:
             context.forward_order = []  # otherwise the next backward prefetches by it
