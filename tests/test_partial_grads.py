@@ -53,7 +53,7 @@ def results(request, tmp_path_factory):
 
 
 def _result(results, name: str, rank: int) -> dict:
-    world_size, per_rank, failure = results
+    _, per_rank, failure = results
     result = per_rank[rank].get(name)
     assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
     assert "error" not in result, f"rank {rank}:\n{result['error']}"

@@ -41,7 +41,7 @@ class GradientAgreement:
         for (shard_group, replicate_group), entries in noted.items():
             missing = [not all(had) for _, had, _ in entries]
             if shard_group is None and replicate_group is None:
-                for (group, _, _), m in zip(entries, missing, strict=True):
+                for group, _, _ in entries:
                     group._unagreed = None  # no other rank: local is agreed
                 continue
             flags = torch.ones(sum(len(had) for _, had, _ in entries), dtype=torch.uint8)
