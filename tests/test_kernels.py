@@ -15,6 +15,7 @@ import torch
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from copy_oracle import rows_of, unsharded_of
 from fsdp_rs import plan_group
+from fsdp_rs.kernels import _cpu_index
 from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
 from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
 from fsdp_rs.kernels.post_reduce import triton_post_reduce
@@ -39,6 +40,16 @@ SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # Small tiles so the big params span many tiles and the tiny ones leave blocks
 # part-filled; the kernels' BLOCK (2048) also exceeds a tile here.
 TILE_NUMEL = 512
+
+
+# The CPU references copy by a cached element index, or per parameter when the
+# index does not fit the cache's budget ([Note: Cached CPU indices]).
+INDEX_MODES = ["cached_index", "per_param_copies"]
+
+
+def _index_mode(monkeypatch, mode: str) -> None:
+    if mode == "per_param_copies":
+        monkeypatch.setattr(_cpu_index, "BUDGET", 0)
 
 
 def dtype_id(d: torch.dtype) -> str:
@@ -107,7 +118,9 @@ def test_all_gather_copy_in(case, world_size, orig, param):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("per_param", [False, True], ids=["group_buffer", "per_param"])
-def test_all_gather_copy_out(case, world_size, dtype, per_param):
+@pytest.mark.parametrize("index", INDEX_MODES)
+def test_all_gather_copy_out(case, world_size, dtype, per_param, index, monkeypatch):
+    _index_mode(monkeypatch, index)
     shapes = CASES[case]
     plan = make_plan(shapes, world_size, 0, torch.float32, dtype, torch.float32)
     tables = GroupTables.from_plan(plan, DEVICE)
@@ -140,7 +153,9 @@ def test_all_gather_copy_out(case, world_size, dtype, per_param):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("grad", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
-def test_reduce_scatter_copy_in(case, world_size, grad, reduce):
+@pytest.mark.parametrize("index", INDEX_MODES)
+def test_reduce_scatter_copy_in(case, world_size, grad, reduce, index, monkeypatch):
+    _index_mode(monkeypatch, index)
     shapes = CASES[case]
     plan = make_plan(shapes, world_size, 0, torch.float32, grad, reduce)
     tables = GroupTables.from_plan(plan, DEVICE)
@@ -164,7 +179,9 @@ def test_reduce_scatter_copy_in(case, world_size, grad, reduce):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("grad", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
-def test_reduce_scatter_copy_in_flat(case, world_size, grad, reduce):
+@pytest.mark.parametrize("index", INDEX_MODES)
+def test_reduce_scatter_copy_in_flat(case, world_size, grad, reduce, index, monkeypatch):
+    _index_mode(monkeypatch, index)
     shapes = CASES[case]
     plan = make_plan(shapes, world_size, 0, torch.float32, grad, reduce)
     tables = GroupTables.from_plan(plan, DEVICE)

@@ -439,6 +439,64 @@ def _run_training(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_memory(subparsers) -> None:
+    p = subparsers.add_parser(
+        "memory",
+        help="memory per phase of a training step, fsdp-rs vs torch FSDP2",
+        description=(
+            "Train the same MLP (one fully_shard per block plus the root, AdamW) under "
+            "fsdp-rs and under torch FSDP2 in one process and print the memory of the "
+            "last step per phase (after init, forward, peak, optimizer step, zero_grad) "
+            "side by side. CPU: a fake process group (rank 0 of W) and MemTracker; "
+            "CUDA (--device cuda): one GPU with a fake process group and the allocator's "
+            "statistics."
+        ),
+    )
+    p.add_argument("--world-size", type=int, default=4, metavar="W", help="(default: 4)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dim", type=int, default=256, help="layer width (default: 256)")
+    p.add_argument("--layers", type=int, default=8, help="blocks (default: 8)")
+    p.add_argument("--config", action="append", help="one of the configs; repeat (default: all)")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.set_defaults(run=_run_memory, parser=p)
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_rs.bench.memory import CONFIGS, records
+
+    if args.world_size < 2:
+        args.parser.error("--world-size must be at least 2")
+    unknown = sorted(set(args.config or []) - set(CONFIGS))
+    if unknown:
+        args.parser.error(f"unknown --config {unknown}; choose from {sorted(CONFIGS)}")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    names = args.config or [n for n, (w, _) in CONFIGS.items() if w <= args.world_size]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    try:
+        recs = records(args.world_size, device, names, dim=args.dim, layers=args.layers)
+    finally:
+        dist.destroy_process_group()
+    print(f"memory: {recs[0]['model']}, W={args.world_size} (rank 0), {device.type}, MiB")
+    print(f"{'config':22s} {'phase':10s} {'fsdp-rs':>9s} {'torch':>9s} {'ratio':>6s}")
+    for r in recs:
+        print(
+            f"{r['config']:22s} {r['phase']:10s} {r['fsdp_rs_bytes'] / 2**20:9.2f} "
+            f"{r['torch_bytes'] / 2**20:9.2f} {r['ratio']:6.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(recs, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_rs.bench",
@@ -450,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_copy(subparsers)
     _add_init(subparsers)
     _add_step(subparsers)
+    _add_memory(subparsers)
     return parser
 
 

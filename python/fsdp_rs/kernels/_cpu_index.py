@@ -8,8 +8,14 @@ call, the copy itself one ``index_select``. The index is a function of the
 table tensors only (and the world size), so it is computed once and kept while
 those same tensor objects live and have not been written in place (their
 version counters are part of the check). A hit costs a dict lookup. Indices
-are int32 when they fit (``index_select`` takes both), so the cache holds
-about one unsharded buffer's worth of int32 per group.
+are int32 when they fit (``index_select`` takes both).
+
+The cache holds at most ``BUDGET`` bytes in all: an index is about one
+unsharded buffer's worth of int32 per table set, memory torch FSDP2 does not
+spend, and building one uncached costs several times that for the moment of
+the copy. A table set whose index does not fit (``index_fits``) is copied per
+parameter instead, with strided copies and no index at all: as many ops as
+parameters, no memory beyond the copy's own, the same result bit for bit.
 """
 
 from __future__ import annotations
@@ -23,9 +29,37 @@ import torch
 
 from fsdp_rs.kernels._segments import segment_columns
 
-__all__ = ["copy_out_index", "reduce_scatter_buffer_index", "reduce_scatter_flat_index"]
+__all__ = [
+    "BUDGET",
+    "copy_out_index",
+    "gap_columns",
+    "index_fits",
+    "reduce_scatter_buffer_index",
+    "reduce_scatter_flat_index",
+]
 
-_CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
+_CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], object]] = {}
+BUDGET = 1 << 20  # bytes of cached indices, in all
+_held = [0]  # bytes cached now
+
+
+def index_fits(world_size: int, row_numel: int) -> bool:
+    """Whether an index over a ``[W, S]`` row buffer (int32) still fits the budget."""
+    return _held[0] + 4 * world_size * row_numel <= BUDGET
+
+
+def _nbytes(index: object) -> int:
+    if isinstance(index, torch.Tensor):
+        return index.numel() * index.element_size()
+    if isinstance(index, tuple):
+        return sum(map(_nbytes, index))
+    return 0
+
+
+def _evict(key: tuple) -> None:
+    entry = _CACHE.pop(key, None)
+    if entry is not None:
+        _held[0] -= _nbytes(entry[2])
 
 
 def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], torch.Tensor]):
@@ -36,9 +70,11 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
         refs, seen, index = hit
         if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
             return index
+    _evict(key)
     index = build()
-    refs = tuple(weakref.ref(t, lambda _, key=key: _CACHE.pop(key, None)) for t in tables)
+    refs = tuple(weakref.ref(t, lambda _, key=key: _evict(key)) for t in tables)
     _CACHE[key] = (refs, versions, index)
+    _held[0] += _nbytes(index)
     return index
 
 
@@ -153,3 +189,15 @@ def reduce_scatter_buffer_index(
 
     tables = (row_offsets, unsharded_offsets, padded_numel)
     return _cached(tables, ("reduce_scatter_buffer", world_size, row_numel), build)
+
+
+def gap_columns(row_offsets: list[int], padded: list[int], row_numel: int) -> list[tuple[int, int]]:
+    """The column ranges of a row that no parameter's chunk covers (alignment gaps)."""
+    gaps, end = [], 0
+    for r, n in sorted(zip(row_offsets, padded, strict=True)):
+        if r > end:
+            gaps.append((end, r))
+        end = max(end, r + n)
+    if end < row_numel:
+        gaps.append((end, row_numel))
+    return gaps

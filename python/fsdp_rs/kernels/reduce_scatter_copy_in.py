@@ -39,7 +39,7 @@ from fsdp_rs.kernels._checks import (
     check_table,
     check_tile_table,
 )
-from fsdp_rs.kernels._cpu_index import reduce_scatter_flat_index
+from fsdp_rs.kernels._cpu_index import gap_columns, index_fits, reduce_scatter_flat_index
 from fsdp_rs.kernels._triton import (
     TL_DTYPES,
     f32_reciprocal,
@@ -186,6 +186,11 @@ def torch_reduce_scatter_copy_in(
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
+    if not index_fits(world_size, row_numel):
+        _per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
+        if divide_factor != 1.0:
+            reduce_scatter_input.div_(divide_factor)
+        return
     if any(map(_is_none, grads)):
         flat = [
             reduce_scatter_input.new_zeros(n, dtype=dtype) if g is None else g.flatten()
@@ -201,6 +206,28 @@ def torch_reduce_scatter_copy_in(
         reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
     if divide_factor != 1.0:
         reduce_scatter_input.div_(divide_factor)
+
+
+def _per_param(grads, reduce_scatter_input, row_offsets, padded_numel) -> None:
+    """[Note: Cached CPU indices] without an index: each gradient's ``W`` chunks
+    of ``n`` elements into its columns (zeros past its end, and for a missing
+    one), and zeros into the gap columns."""
+    world_size, row_numel = reduce_scatter_input.shape
+    rows, padded = row_offsets.tolist(), padded_numel.tolist()
+    for g, r, n in zip(grads, rows, padded, strict=True):
+        dst = reduce_scatter_input[:, r : r + n]
+        if g is None:
+            dst.zero_()
+            continue
+        flat = g.reshape(-1)
+        full, rest = divmod(flat.numel(), n) if n else (world_size, 0)
+        dst[:full].copy_(flat[: full * n].view(full, n))
+        if full < world_size:
+            dst[full, :rest].copy_(flat[full * n :])
+            dst[full, rest:].zero_()
+            dst[full + 1 :].zero_()
+    for start, end in gap_columns(rows, padded, row_numel):
+        reduce_scatter_input[:, start:end].zero_()
 
 
 @jit

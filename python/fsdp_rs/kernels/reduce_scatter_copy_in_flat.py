@@ -21,7 +21,7 @@ from fsdp_rs.kernels._checks import (
     check_layout_tables,
     check_same_device,
 )
-from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
+from fsdp_rs.kernels._cpu_index import gap_columns, index_fits, reduce_scatter_buffer_index
 from fsdp_rs.kernels._triton import f32_reciprocal, jit, require_triton, tl
 
 __all__ = [
@@ -82,6 +82,11 @@ def torch_reduce_scatter_copy_in_flat(
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
+    if not index_fits(world_size, row_numel):
+        _per_param(grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel)
+        if divide_factor != 1.0:
+            reduce_scatter_input.div_(divide_factor)
+        return
     src, gaps, needed = reduce_scatter_buffer_index(
         row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
     )
@@ -99,6 +104,25 @@ def torch_reduce_scatter_copy_in_flat(
         flat.index_fill_(0, gaps, 0)
     if divide_factor != 1.0:
         reduce_scatter_input.div_(divide_factor)
+
+
+def _per_param(grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel):
+    """[Note: Cached CPU indices] without an index: each parameter's ``[W, n]``
+    block of the buffer into its columns, and zeros into the gap columns."""
+    world_size, row_numel = reduce_scatter_input.shape
+    rows, padded = row_offsets.tolist(), padded_numel.tolist()
+    blocks = list(zip(rows, unsharded_offsets.tolist(), padded, strict=True))
+    needed = max((u + world_size * n for _, u, n in blocks), default=0)
+    if grad_buffer.numel() < needed:
+        raise ValueError(
+            f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
+            f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
+        )
+    for r, u, n in blocks:
+        src = grad_buffer[u : u + world_size * n].view(world_size, n)
+        reduce_scatter_input[:, r : r + n].copy_(src)
+    for start, end in gap_columns(rows, padded, row_numel):
+        reduce_scatter_input[:, start:end].zero_()
 
 
 @jit

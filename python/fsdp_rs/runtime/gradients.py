@@ -22,6 +22,17 @@ accumulation would add one kernel launch per parameter and a memset plus a
 read-modify-write of the buffer, where the pointer-table copy-in reads each
 gradient once ([Note: Pointer tables]).
 
+[Note: Sharded gradient buffer]
+The sharded ``.grad``s of a group are DTensor views of one buffer in the row
+layout, made at the reduction that finds every ``.grad`` None (the reduce-scatter
+writes it directly when nothing else is due), as FSDP2's are views of its
+reduce-scatter output. fsdp-rs holds the buffer and the views weakly: they live
+exactly as long as some ``.grad`` does, so ``zero_grad()`` (``set_to_none``)
+frees the gradient memory and the next backward allocates it again group by
+group, and a ``.grad`` the user kept is never written by a later backward. While
+the views live, a reduction that finds them all in place accumulates into the
+buffer with one post-reduce; anything else goes per parameter.
+
 [Note: Gradient agreement]
 Which parameters got a gradient is a local observation: in a mixture of
 experts, an expert that no token of this rank was routed to gets none here and
@@ -47,6 +58,7 @@ So no local observation decides a collective or an assignment alone:
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,6 +69,14 @@ from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_non
 __all__ = ["GradientReduction"]
 
 _VERSION = operator.attrgetter("_version")
+_DEREF = weakref.ref.__call__
+
+
+class _Gone:
+    pass
+
+
+_DEAD = weakref.ref(_Gone())  # a reference that is already dead
 
 
 class GradientReduction:
@@ -83,7 +103,8 @@ class GradientReduction:
         self._unagreed: torch.Tensor | None = None
         self.agreement = None
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
-        self._grad_views = None
+        self._grad_ref = None  # [Note: Sharded gradient buffer]
+        self._view_refs = None
 
     def _make_grad_aliases(self) -> None:
         """The unsharded gradient buffer (storage freed) and one alias per
@@ -237,7 +258,7 @@ class GradientReduction:
         post = division.post
         # Read now only where it decides the output: with replicas the gradients
         # may stay partial ([No all-reduce]) and are assigned after the all-reduce.
-        current = None if info.replicate_group is not None else self._sharded_grads()
+        current = None if info.replicate_group is not None else get_grads(self._grad_params)
         direct = current is not None and self._reduces_into_grad_buffer(post, had_grad, current)
         rs_stream = post_stream = None
         if streams.enabled:
@@ -245,11 +266,12 @@ class GradientReduction:
             rs_stream = post_stream = streams.reduce_scatter
         with streams.on(rs_stream):
             if info.shard_size > 1:
-                output = (
-                    self.grad_buffer
-                    if direct
-                    else torch.empty(plan.row_numel, dtype=self.reduce_dtype, device=self.device)
-                )
+                if direct:
+                    output, views = self._new_grad_buffer()
+                else:
+                    output = torch.empty(
+                        plan.row_numel, dtype=self.reduce_dtype, device=self.device
+                    )
                 reduce_scatter(
                     output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
                 )
@@ -283,7 +305,7 @@ class GradientReduction:
                     hook(output)
         with streams.on(post_stream):
             if direct:
-                set_grads(self._grad_params, self._grad_views)
+                set_grads(self._grad_params, views)
             else:
                 self._assign_grads(output, post, had_grad, current)
             post_event = streams.record(post_stream)
@@ -302,17 +324,24 @@ class GradientReduction:
         if post_stream is not streams.reduce_scatter:
             streams.keep_reduce_output(self, output, post_event)
 
-    def _sharded_grads(self) -> list[torch.Tensor | None]:
-        """The sharded parameters' ``.grad`` now, once the sharded gradient buffer
-        and its ``.grad`` views exist (made at the first reduction)."""
-        if self._grad_views is None:
-            self.grad_buffer = torch.zeros_like(self.sharded)
-            views = self._local_views(self.grad_buffer)
-            self._grad_views = [
-                self._sharded_view(views[i], self.shapes[i], self.strides[i])
-                for i in self._grad_index
-            ]
-        return get_grads(self._grad_params)
+    def _owned(self) -> tuple[torch.Tensor | None, list]:
+        """The gradient buffer of the last reduction while a ``.grad`` view of it
+        lives (views keep their base alive), with its views (None where dead)."""
+        buffer = None if self._grad_ref is None else self._grad_ref()
+        if buffer is None:
+            return None, [None] * len(self._grad_index)
+        return buffer, list(map(_DEREF, self._view_refs))
+
+    def _new_grad_buffer(self) -> tuple[torch.Tensor, list]:
+        """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
+        parameter, held weakly ([Note: Sharded gradient buffer])."""
+        buffer = torch.empty_like(self.sharded)
+        local = self._local_views(buffer)
+        shapes, strides = self.shapes, self.strides
+        views = [self._sharded_view(local[i], shapes[i], strides[i]) for i in self._grad_index]
+        self._grad_ref = weakref.ref(buffer)
+        self._view_refs = list(map(weakref.ref, views))
+        return buffer, views
 
     def _reduces_into_grad_buffer(
         self, divide: float, had_grad: list[bool], current: list[torch.Tensor | None]
@@ -326,8 +355,8 @@ class GradientReduction:
             self.info.shard_size > 1
             and self.all_reduce_hook is None
             and divide == 1.0
-            and self.grad_buffer.dtype == self.reduce_dtype
-            and self.grad_buffer.device == self.device
+            and self.sharded.dtype == self.reduce_dtype
+            and self.sharded.device == self.device
             and all(had_grad)
             and all(map(is_none, current))
         )
@@ -344,19 +373,21 @@ class GradientReduction:
         (``current``: their ``.grad`` before, None if not read yet). The others
         wait for the agreement ([Note: Gradient agreement])."""
         if current is None:
-            current = self._sharded_grads()
-        if output.device != self.grad_buffer.device:
-            output = output.to(self.grad_buffer.device)
-        ours = list(map(operator.is_, current, self._grad_views))
-        if all(ours) and all(had_grad):
-            self.shard_ops.post_reduce(output, self.grad_buffer, divide, True)
-            return
-        if all(map(is_none, current)) and all(had_grad):
-            self.shard_ops.post_reduce(output, self.grad_buffer, divide, False)
-            set_grads(self._grad_params, self._grad_views)
-            return
-        # Rare path (some gradients None or replaced by the user): per parameter.
-        fresh = torch.empty_like(self.grad_buffer)
+            current = get_grads(self._grad_params)
+        if output.device != self.sharded.device:
+            output = output.to(self.sharded.device)
+        buffer, views = self._owned()
+        if all(had_grad):
+            if buffer is not None and all(map(operator.is_, current, views)):
+                self.shard_ops.post_reduce(output, buffer, divide, True)
+                return
+            if all(map(is_none, current)):
+                buffer, views = self._new_grad_buffer()
+                self.shard_ops.post_reduce(output, buffer, divide, False)
+                set_grads(self._grad_params, views)
+                return
+        # Rare path (some gradients None, replaced by the user, or missing here).
+        fresh = torch.zeros_like(self.sharded)
         self.shard_ops.post_reduce(output, fresh, divide, False)
         self._assign_from(fresh, had_grad, current)
         if not all(had_grad):
@@ -368,7 +399,7 @@ class GradientReduction:
         fresh, self._unagreed = self._unagreed, None
         wanted = [a and not h for a, h in zip(agreed, had_grad, strict=True)]
         if any(wanted):
-            self._assign_from(fresh, wanted, self._sharded_grads())
+            self._assign_from(fresh, wanted, get_grads(self._grad_params))
 
     def _assign_from(
         self, fresh: torch.Tensor, which: list[bool], current: list[torch.Tensor | None]
@@ -376,15 +407,16 @@ class GradientReduction:
         """Per parameter, the ``which`` ones: ``fresh`` (post-reduced, in the
         sharded layout) becomes or is added to its ``.grad``."""
         fresh_views = self._local_views(fresh)
-        own_views = self._local_views(self.grad_buffer)
-        views = self._grad_views
+        refs = self._view_refs
+        if refs is None:
+            refs = self._view_refs = [_DEAD] * len(self._grad_index)
         for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
             if not which[k]:
                 continue
-            if current[k] is None:
-                own_views[i].copy_(fresh_views[i])
-                p.grad = views[k]
-            elif current[k] is views[k]:
-                own_views[i].add_(fresh_views[i])
+            if current[k] is None:  # a view of ``fresh``, as a fresh reduction would give
+                view = self._sharded_view(fresh_views[i], self.shapes[i], self.strides[i])
+                p.grad = view
+                refs[k] = weakref.ref(view)
+                self._grad_ref = None  # views of two buffers: no whole-buffer accumulation
             else:
                 current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))

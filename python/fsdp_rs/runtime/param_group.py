@@ -282,7 +282,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
-        self._grad_views: list[DTensor] | None = None
+        self._grad_ref = self._view_refs = None  # views of the old parameters
 
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced

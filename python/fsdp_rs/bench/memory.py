@@ -1,0 +1,175 @@
+"""``bench memory``: memory per phase of a training step, fsdp-rs against torch
+FSDP2 on the same model, side by side.
+
+On CPU (a fake process group, rank 0 of W) memory is what
+``torch.distributed._tools.mem_tracker.MemTracker`` counts: every live tensor
+storage, with the peak of each step; on CUDA it is
+``torch.cuda.memory_allocated`` / ``max_memory_allocated``. Phases, of the last
+of ``steps`` steps: after init (``fully_shard`` and the optimizer), after
+forward, the peak over the step (backward's, in practice), after the optimizer
+step, after ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CONFIGS", "PHASES", "measure", "records"]
+
+PHASES = ("init", "forward", "peak", "optimizer", "zero_grad")
+# name: (minimum world size, options)
+CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
+    "fp32": (2, {}),
+    "bf16_fp32_reduce": (2, {"mp": True}),
+    "no_reshard": (2, {"reshard_after_forward": False}),
+    "reshard_2": (4, {"reshard_after_forward": 2}),
+    "accumulate_4_no_sync": (2, {"micro": 4}),
+    "hsdp": (4, {"hsdp": True}),
+}
+
+
+def _model(dim: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
+
+
+class _Meter:
+    """Current and peak bytes: MemTracker's on CPU, the allocator's on CUDA."""
+
+    def __init__(self, device: torch.device, roots: tuple) -> None:
+        self.cuda = device.type == "cuda"
+        self._tracker = None
+        if not self.cuda:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            self._tracker.track_external(*roots)
+
+    def __enter__(self) -> _Meter:
+        if self._tracker is not None:
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+
+    def _total(self, which: str) -> int:
+        snapshot = self._tracker.get_tracker_snapshot(which)
+        return int(sum(v["Total"] for v in snapshot.values()))
+
+    def current(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return self._total("current")
+
+    def before_forward(self) -> None:
+        """MemTracker's per-module stats take one forward each."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            # The peak of this step only: MemTracker has no public reset, so
+            # restart its peak from now as its __enter__ does.
+            tracker = self._tracker
+            tracker.reset_mod_stats()
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+            tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return self._total("peak")
+
+
+def measure(
+    library: str,
+    config: str,
+    world_size: int,
+    device: torch.device,
+    dim: int = 256,
+    layers: int = 8,
+    batch: int = 32,
+    steps: int = 3,
+) -> dict[str, int]:
+    """Bytes per phase for one library (``"fsdp_rs"`` or ``"torch"``) in one
+    config, the process group already initialized."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if library == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp_rs import MixedPrecisionPolicy, fully_shard
+    options = CONFIGS[config][1]
+    shape = (2, world_size // 2) if options.get("hsdp") else (world_size,)
+    names = ("replicate", "shard") if options.get("hsdp") else ("shard",)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if "reshard_after_forward" in options:
+        kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+    if options.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    gc.collect()
+    with contextlib.ExitStack() as stack:
+        model = _model(dim, layers).to(device)
+        meter = stack.enter_context(_Meter(device, (model,)))
+        for block in model:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if not meter.cuda:
+            meter._tracker.track_external(model, opt)
+        x = torch.randn(batch, dim, device=device)
+        micro = options.get("micro", 1)
+        result: dict[str, int] = {"init": meter.current()}
+        for _ in range(steps):
+            meter.reset_peak()
+            for k in range(micro):
+                model.set_requires_gradient_sync(k == micro - 1)
+                meter.before_forward()
+                loss = model(x).float().pow(2).mean()
+                result["forward"] = meter.current()
+                loss.backward()
+                del loss
+            opt.step()
+            result["optimizer"] = meter.current()
+            opt.zero_grad()
+            result["zero_grad"] = meter.current()
+            result["peak"] = meter.peak()
+        del model, opt, x
+    return result
+
+
+def records(world_size: int, device: torch.device, configs: list[str], **sizes: Any) -> list:
+    """One record per config and phase, both libraries measured in this process."""
+    out = []
+    for config in configs:
+        ours = measure("fsdp_rs", config, world_size, device, **sizes)
+        theirs = measure("torch", config, world_size, device, **sizes)
+        for phase in PHASES:
+            a, b = ours[phase], theirs[phase]
+            out.append(
+                {
+                    "bench": "memory",
+                    "model": f"mlp {sizes.get('layers', 8)}x{sizes.get('dim', 256)}",
+                    "config": config,
+                    "world_size": world_size,
+                    "device": device.type,
+                    "phase": phase,
+                    "fsdp_rs_bytes": a,
+                    "torch_bytes": b,
+                    "ratio": a / b if b else float("nan"),
+                }
+            )
+    return out

@@ -1,0 +1,80 @@
+"""Memory per phase of a training step, fsdp-rs against torch FSDP2 on the same
+model in one process (fake process group, MemTracker on CPU): fsdp-rs may hold
+no more than FSDP2 (+1% or +1 MiB, whichever is larger) at any phase."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp_rs.bench.memory import CONFIGS, PHASES, measure
+
+MiB = 2**20
+
+
+@pytest.fixture
+def fake_pg(request):
+    world_size = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    yield world_size
+    dist.destroy_process_group()
+
+
+# Known: the backward peak is above FSDP2's here (issue 15, open): with
+# reshard_after_forward=2 and with no-sync accumulation fsdp-rs holds about
+# two unsharded layers more at the peak. Every other phase is checked there
+# too, and the test fails once the peak is fixed.
+PEAK_ABOVE = {"reshard_2", "accumulate_4_no_sync"}
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True, ids=["W4"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_memory_not_above_fsdp2(fake_pg, config):
+    sizes = {"dim": 512, "layers": 4, "batch": 16, "steps": 2}
+    ours = measure("fsdp_rs", config, fake_pg, torch.device("cpu"), **sizes)
+    theirs = measure("torch", config, fake_pg, torch.device("cpu"), **sizes)
+    over = {
+        phase: (ours[phase] / MiB, theirs[phase] / MiB)
+        for phase in PHASES
+        if ours[phase] > max(theirs[phase] * 1.01, theirs[phase] + MiB)
+    }
+    if config in PEAK_ABOVE:
+        assert "peak" in over, f"{config}: the peak is fixed; drop it from PEAK_ABOVE"
+        del over["peak"]
+    assert not over, f"{config}: fsdp-rs above torch FSDP2 (MiB, ours vs theirs): {over}"
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])
+def test_zero_grad_set_to_none_frees_gradients(fake_pg):
+    """After zero_grad() no gradient memory is held; with set_to_none=False the
+    gradients stay (and are zeros), as with FSDP2."""
+    from torch import nn
+
+    from fsdp_rs import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(4, 64)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)
+    import weakref
+
+    bases = [g._local_tensor._base for g in grads]  # the gradient buffers
+    storages = [
+        weakref.ref(b if b is not None else g._local_tensor)
+        for b, g in zip(bases, grads, strict=True)
+    ]
+    del bases
+    del grads
+    model.zero_grad(set_to_none=True)
+    assert all(r() is None for r in storages), "a .grad (or its buffer) outlived zero_grad"
+    model(torch.randn(4, 64)).sum().backward()
+    kept = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=False)
+    assert all(p.grad is g for p, g in zip(model.parameters(), kept, strict=True))
+    assert all(bool((g._local_tensor == 0).all()) for g in kept)
