@@ -7,25 +7,17 @@ dominate); each test then checks one scenario's recorded results.
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_scenarios import SCENARIOS, worker
+from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZES = (2, 4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
@@ -33,9 +25,8 @@ def results(request, tmp_path_factory):
     world_size = request.param
     names = [n for n, s in SCENARIOS.items() if s.get("min_world", 2) <= world_size]
     out = tmp_path_factory.mktemp(f"w{world_size}")
-    mp.spawn(worker, args=(world_size, _free_port(), names, str(out)), nprocs=world_size)
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    return world_size, per_rank
+    spawn_scenarios(worker, world_size, names, out)
+    return world_size, read_ranks(out, world_size)
 
 
 def _check(per_rank, name, exact=True):

@@ -275,3 +275,30 @@ def test_default_tile_size_single_tile_per_param():
     triton_all_gather_copy_out(rows_of(params, plan, torch.float32).to(DEVICE), out,
                                *tables.copy_out_args())  # fmt: skip
     assert torch.equal(out[0].cpu(), unsharded_of(params, plan, 0.0, torch.float32))
+
+
+def test_cpu_index_cache_keeps_what_fits_and_refuses_the_rest(monkeypatch):
+    """An index that fit the budget is served from the cache on every later call
+    (its own bytes do not push its table set onto the per-parameter path), and
+    one that does not fit is refused for as long as its tables live."""
+    shapes = CASES[next(iter(CASES))]
+    plan = make_plan(shapes, 2, 0, torch.float32, torch.float32, torch.float32)
+    rows = 2 * plan.row_numel
+    room = _cpu_index._held[0] + 4 * rows + 64 * 1024  # this index and a little
+    monkeypatch.setattr(_cpu_index, "BUDGET", room)
+    tables = GroupTables.from_plan(plan, torch.device("cpu"))
+    row_offsets, unsharded_offsets, padded = tables.copy_out_args()[:3]
+
+    def index():
+        return _cpu_index.reduce_scatter_buffer_index(
+            row_offsets, unsharded_offsets, padded, 2, plan.row_numel
+        )
+
+    first = index()
+    assert first is not None
+    assert index() is first
+    monkeypatch.setattr(_cpu_index, "BUDGET", 0)
+    other = GroupTables.from_plan(plan, torch.device("cpu"))
+    args = other.copy_out_args()[:3]
+    assert _cpu_index.reduce_scatter_buffer_index(*args, 2, plan.row_numel) is None
+    assert index() is first  # a cached index stays served under a smaller budget

@@ -13,26 +13,18 @@ gradients near zero into parameter differences up to a small part of its step
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from partial_grad_scenarios import EXPERTS, SCENARIOS, STEPS, UNUSED, worker
+from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZES = (2, 4)
 GRAD_TOL = {"fp32": 1e-6, "bf16": 1e-6}
 PARAM_TOL = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
@@ -42,14 +34,10 @@ def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"w{world_size}")
     failure = None
     try:
-        mp.spawn(worker, args=(world_size, _free_port(), names, str(out)), nprocs=world_size)
+        spawn_scenarios(worker, world_size, names, out)
     except Exception as e:  # a rank raised: its JSON names the scenario
         failure = e
-    per_rank = []
-    for r in range(world_size):
-        path = out / f"rank{r}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-    return world_size, per_rank, failure
+    return world_size, read_ranks(out, world_size), failure
 
 
 def _result(results, name: str, rank: int) -> dict:

@@ -13,8 +13,8 @@ are int32 when they fit (``index_select`` takes both).
 The cache holds at most ``BUDGET`` bytes in all: an index is about one
 unsharded buffer's worth of int32 per table set, memory torch FSDP2 does not
 spend, and building one uncached costs several times that for the moment of
-the copy. A table set whose index does not fit (``index_fits``) is copied per
-parameter instead, with strided copies and no index at all: as many ops as
+the copy. A table set whose index does not fit (the index functions return
+None) is copied per parameter instead, with strided copies and no index at all: as many ops as
 parameters, no memory beyond the copy's own, the same result bit for bit.
 """
 
@@ -33,7 +33,6 @@ __all__ = [
     "BUDGET",
     "copy_out_index",
     "gap_columns",
-    "index_fits",
     "reduce_scatter_buffer_index",
     "reduce_scatter_flat_index",
 ]
@@ -41,11 +40,6 @@ __all__ = [
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], object]] = {}
 BUDGET = 1 << 20  # bytes of cached indices, in all
 _held = [0]  # bytes cached now
-
-
-def index_fits(world_size: int, row_numel: int) -> bool:
-    """Whether an index over a ``[W, S]`` row buffer (int32) still fits the budget."""
-    return _held[0] + 4 * world_size * row_numel <= BUDGET
 
 
 def _nbytes(index: object) -> int:
@@ -62,7 +56,11 @@ def _evict(key: tuple) -> None:
         _held[0] -= _nbytes(entry[2])
 
 
-def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], torch.Tensor]):
+def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], object], rows: int):
+    """The index ``build`` makes for ``tables``, cached; or None where it does
+    not fit the budget (``rows``: elements of the ``[W, S]`` buffer it spans,
+    so at least ``4 * rows`` bytes). A refusal is cached too, with the same
+    lifetime, so a table set takes one path for as long as it lives."""
     key = (tuple(map(id, tables)), extra)
     versions = tuple(map(_VERSION, tables))
     hit = _CACHE.get(key)
@@ -71,7 +69,9 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
         if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
             return index
     _evict(key)
-    index = build()
+    index = build() if _held[0] + 4 * rows <= BUDGET else None
+    if index is not None and _held[0] + _nbytes(index) > BUDGET:
+        index = None
     refs = tuple(weakref.ref(t, lambda _, key=key: _evict(key)) for t in tables)
     _CACHE[key] = (refs, versions, index)
     _held[0] += _nbytes(index)
@@ -114,12 +114,12 @@ def copy_out_index(
     world_size: int,
     row_numel: int,
     out_numel: int,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """Where each unsharded element comes from in the flat all-gather output
     ``[W, S]``, as ``(dst, src)``: element ``dst[k]`` of the unsharded buffer
     receives element ``src[k]``. ``dst`` is None when it would be every element
     in order (the buffer has no alignment gaps), so that a single gather fills
-    it; the gaps are never written otherwise."""
+    it; the gaps are never written otherwise. None: over the budget."""
 
     def build() -> tuple[torch.Tensor | None, torch.Tensor]:
         src, dst = _element_pairs(
@@ -133,7 +133,8 @@ def copy_out_index(
         return dst, src.to(src_dtype)
 
     tables = (row_offsets, unsharded_offsets, padded_numel)
-    return _cached(tables, ("copy_out", world_size, row_numel, out_numel), build)
+    key = ("copy_out", world_size, row_numel, out_numel)
+    return _cached(tables, key, build, world_size * row_numel)
 
 
 def reduce_scatter_flat_index(
@@ -142,11 +143,12 @@ def reduce_scatter_flat_index(
     numels: np.ndarray,
     world_size: int,
     row_numel: int,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """``index[i]``: the element of the gradients flattened and concatenated
     (``numels[p]`` elements each, plus one zero at the end) that element ``i``
     of the reduce-scatter input ``[W, S]`` receives: chunk ``r`` of param ``p``
-    is its elements ``[r * n, (r + 1) * n)``; padding and gaps point at the zero."""
+    is its elements ``[r * n, (r + 1) * n)``; padding and gaps point at the zero.
+    None: over the budget."""
 
     def build() -> torch.Tensor:
         seg, pos, cols = segment_columns(row_offsets, padded_numel)
@@ -160,7 +162,7 @@ def reduce_scatter_flat_index(
         return index.view(-1).to(_index_dtype(zero + 1))
 
     key = ("reduce_scatter_flat", world_size, row_numel, numels.tobytes())
-    return _cached((row_offsets, padded_numel), key, build)
+    return _cached((row_offsets, padded_numel), key, build, world_size * row_numel)
 
 
 def reduce_scatter_buffer_index(
@@ -169,11 +171,12 @@ def reduce_scatter_buffer_index(
     padded_numel: torch.Tensor,
     world_size: int,
     row_numel: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """``(src, gaps, bound)`` for the reduce-scatter copy-in from a buffer laid out like
     the unsharded one: element ``i`` of the flat input ``[W, S]`` receives buffer
     element ``src[i]``, except the alignment-gap elements ``gaps`` (None when
-    there are none), which are zeros; the buffer needs ``bound`` elements."""
+    there are none), which are zeros; the buffer needs ``bound`` elements.
+    None: over the budget."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor | None, int]:
         dst, src = _element_pairs(
@@ -188,7 +191,8 @@ def reduce_scatter_buffer_index(
         return index.to(_index_dtype(bound)), gaps, bound
 
     tables = (row_offsets, unsharded_offsets, padded_numel)
-    return _cached(tables, ("reduce_scatter_buffer", world_size, row_numel), build)
+    key = ("reduce_scatter_buffer", world_size, row_numel)
+    return _cached(tables, key, build, world_size * row_numel)
 
 
 def gap_columns(row_offsets: list[int], padded: list[int], row_numel: int) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from fsdp_rs.kernels._checks import (
     check_layout_tables,
     check_same_device,
 )
-from fsdp_rs.kernels._cpu_index import copy_out_index, index_fits
+from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._segments import segment_columns
 from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
 
@@ -98,22 +98,20 @@ def torch_all_gather_copy_out(
         tile_param, tile_start, tile_len,
     )  # fmt: skip
     world_size, row_numel = all_gather_output.shape
-    if len(out) == 1 and not index_fits(world_size, row_numel):
-        # [Note: Cached CPU indices] per parameter: its [W, n] block in the buffer
-        out0 = out[0]
-        tables = (row_offsets.tolist(), unsharded_offsets.tolist(), padded_numel.tolist())
-        for r, u, n in zip(*tables, strict=True):
-            block = out0[u : u + world_size * n].view(world_size, n)
-            block.copy_(all_gather_output[:, r : r + n])
-        return
     if len(out) == 1:
-        dst, src = copy_out_index(
+        index = copy_out_index(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
         )
         flat = all_gather_output.view(-1)
-        if dst is None:
-            torch.index_select(flat, 0, src, out=out[0])
+        if index is None:  # over the index budget: per parameter, its [W, n] block
+            tables = (row_offsets.tolist(), unsharded_offsets.tolist(), padded_numel.tolist())
+            for r, u, n in zip(*tables, strict=True):
+                block = out[0][u : u + world_size * n].view(world_size, n)
+                block.copy_(all_gather_output[:, r : r + n])
+        elif index[0] is None:
+            torch.index_select(flat, 0, index[1], out=out[0])
         else:
+            dst, src = index
             out[0].scatter_(0, dst, flat.index_select(0, src))
         return
     _, _, cols = segment_columns(row_offsets, padded_numel)

@@ -39,7 +39,7 @@ from fsdp_rs.kernels._checks import (
     check_table,
     check_tile_table,
 )
-from fsdp_rs.kernels._cpu_index import gap_columns, index_fits, reduce_scatter_flat_index
+from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
 from fsdp_rs.kernels._triton import (
     TL_DTYPES,
     f32_reciprocal,
@@ -186,11 +186,18 @@ def torch_reduce_scatter_copy_in(
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
-    if not index_fits(world_size, row_numel):
-        _per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
-        if divide_factor != 1.0:
-            reduce_scatter_input.div_(divide_factor)
-        return
+    index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+    if index is None:  # over the index budget
+        _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
+    else:
+        _gather(grads, reduce_scatter_input, index, numels, dtype)
+    if divide_factor != 1.0:
+        reduce_scatter_input.div_(divide_factor)
+
+
+def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
+    """The gradients flattened and concatenated (zeros standing in for a missing
+    one, one more zero at the end), gathered by ``index``."""
     if any(map(_is_none, grads)):
         flat = [
             reduce_scatter_input.new_zeros(n, dtype=dtype) if g is None else g.flatten()
@@ -199,16 +206,13 @@ def torch_reduce_scatter_copy_in(
     else:
         flat = list(map(torch.flatten, grads))
     flat = torch.cat([*flat, reduce_scatter_input.new_zeros(1, dtype=dtype)])
-    index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
     if flat.dtype == reduce_scatter_input.dtype:
         torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
     else:
         reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
-    if divide_factor != 1.0:
-        reduce_scatter_input.div_(divide_factor)
 
 
-def _per_param(grads, reduce_scatter_input, row_offsets, padded_numel) -> None:
+def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel) -> None:
     """[Note: Cached CPU indices] without an index: each gradient's ``W`` chunks
     of ``n`` elements into its columns (zeros past its end, and for a missing
     one), and zeros into the gap columns."""

@@ -21,7 +21,7 @@ from fsdp_rs.kernels._checks import (
     check_layout_tables,
     check_same_device,
 )
-from fsdp_rs.kernels._cpu_index import gap_columns, index_fits, reduce_scatter_buffer_index
+from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_buffer_index
 from fsdp_rs.kernels._triton import f32_reciprocal, jit, require_triton, tl
 
 __all__ = [
@@ -76,53 +76,45 @@ def torch_reduce_scatter_copy_in_flat(
     divide_factor: float = 1.0,
 ) -> None:
     """Reference: one gather by a cached index ([Note: Cached CPU indices]), a
-    zero fill of the gap elements, then ``div_``."""
+    zero fill of the gap elements, then ``div_``; per parameter where the index
+    is over the cache's budget."""
     check_reduce_scatter_copy_in_flat(
         grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
-    if not index_fits(world_size, row_numel):
-        _per_param(grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel)
-        if divide_factor != 1.0:
-            reduce_scatter_input.div_(divide_factor)
-        return
-    src, gaps, needed = reduce_scatter_buffer_index(
+    index = reduce_scatter_buffer_index(
         row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
     )
+    blocks = None
+    if index is None:  # over the index budget: per parameter
+        rows, padded = row_offsets.tolist(), padded_numel.tolist()
+        blocks = list(zip(rows, unsharded_offsets.tolist(), padded, strict=True))
+        needed = max((u + world_size * n for _, u, n in blocks), default=0)
+    else:
+        src, gaps, needed = index
     if grad_buffer.numel() < needed:
         raise ValueError(
             f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
             f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
         )
-    flat = reduce_scatter_input.view(-1)
-    if grad_buffer.dtype == flat.dtype:
-        torch.index_select(grad_buffer, 0, src, out=flat)
+    if blocks is not None:
+        # each parameter's [W, n] block of the buffer into its columns; zero gaps
+        for r, u, n in blocks:
+            block = grad_buffer[u : u + world_size * n].view(world_size, n)
+            reduce_scatter_input[:, r : r + n].copy_(block)
+        for start, end in gap_columns(rows, padded, row_numel):
+            reduce_scatter_input[:, start:end].zero_()
     else:
-        flat.copy_(grad_buffer.index_select(0, src))
-    if gaps is not None:
-        flat.index_fill_(0, gaps, 0)
+        flat = reduce_scatter_input.view(-1)
+        if grad_buffer.dtype == flat.dtype:
+            torch.index_select(grad_buffer, 0, src, out=flat)
+        else:
+            flat.copy_(grad_buffer.index_select(0, src))
+        if gaps is not None:
+            flat.index_fill_(0, gaps, 0)
     if divide_factor != 1.0:
         reduce_scatter_input.div_(divide_factor)
-
-
-def _per_param(grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel):
-    """[Note: Cached CPU indices] without an index: each parameter's ``[W, n]``
-    block of the buffer into its columns, and zeros into the gap columns."""
-    world_size, row_numel = reduce_scatter_input.shape
-    rows, padded = row_offsets.tolist(), padded_numel.tolist()
-    blocks = list(zip(rows, unsharded_offsets.tolist(), padded, strict=True))
-    needed = max((u + world_size * n for _, u, n in blocks), default=0)
-    if grad_buffer.numel() < needed:
-        raise ValueError(
-            f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
-            f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
-        )
-    for r, u, n in blocks:
-        src = grad_buffer[u : u + world_size * n].view(world_size, n)
-        reduce_scatter_input[:, r : r + n].copy_(src)
-    for start, end in gap_columns(rows, padded, row_numel):
-        reduce_scatter_input[:, start:end].zero_()
 
 
 @jit

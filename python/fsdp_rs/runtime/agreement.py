@@ -47,8 +47,8 @@ class GradientAgreement:
             flags = torch.ones(sum(len(had) for _, had, _ in entries), dtype=torch.uint8)
             if any(missing):
                 offset = 0
-                for _, had, _ in entries:
-                    if not all(had):
+                for (_, had, _), m in zip(entries, missing, strict=True):
+                    if m:
                         flags[offset : offset + len(had)] = torch.tensor(had, dtype=torch.uint8)
                     offset += len(had)
             flags = flags.to(entries[0][0].device)

@@ -72,13 +72,6 @@ _VERSION = operator.attrgetter("_version")
 _DEREF = weakref.ref.__call__
 
 
-class _Gone:
-    pass
-
-
-_DEAD = weakref.ref(_Gone())  # a reference that is already dead
-
-
 class GradientReduction:
     """Mixed into ``FSDPParamGroup``: the gradient buffers and the post-backward.
 
@@ -233,8 +226,7 @@ class GradientReduction:
         self.ops.reduce_scatter_copy_in(
             full, rs_in, *self.tables.reduce_scatter_args(), division.pre
         )
-        had = [g is not None for g in grads]
-        self._reduce_scatter(rs_in, division, had)
+        self._reduce_scatter(rs_in, division, [g is not None for g in grads])
 
     def _division(self):
         info = self.info
@@ -407,16 +399,11 @@ class GradientReduction:
         """Per parameter, the ``which`` ones: ``fresh`` (post-reduced, in the
         sharded layout) becomes or is added to its ``.grad``."""
         fresh_views = self._local_views(fresh)
-        refs = self._view_refs
-        if refs is None:
-            refs = self._view_refs = [_DEAD] * len(self._grad_index)
         for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
             if not which[k]:
                 continue
             if current[k] is None:  # a view of ``fresh``, as a fresh reduction would give
-                view = self._sharded_view(fresh_views[i], self.shapes[i], self.strides[i])
-                p.grad = view
-                refs[k] = weakref.ref(view)
+                p.grad = self._sharded_view(fresh_views[i], self.shapes[i], self.strides[i])
                 self._grad_ref = None  # views of two buffers: no whole-buffer accumulation
             else:
                 current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))
