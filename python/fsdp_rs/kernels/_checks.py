@@ -21,7 +21,7 @@ __all__ = [
     "check_tile_table",
 ]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
@@ -30,7 +30,8 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{op}: {name} has dtype {t.dtype}; supported are float32, bfloat16 and float16"
+            f"{op}: {name} has dtype {t.dtype}; supported are float32, bfloat16, float16 "
+            "and float64"
         )
     if t.dim() != ndim:
         layout = "[world_size, row_numel]" if ndim == 2 else "one flat buffer"

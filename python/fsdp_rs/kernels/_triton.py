@@ -76,5 +76,10 @@ def cdiv(a: int, b: int) -> int:
 TL_DTYPES: dict[torch.dtype, Any] = (
     {}
     if tl is None
-    else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    else {
+        torch.float32: tl.float32,
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float64: tl.float64,
+    }
 )

@@ -3,6 +3,7 @@ same names, arguments and semantics as torch FSDP2."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import operator
@@ -104,12 +105,13 @@ def fully_shard(
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        dtypes = list(map(_DTYPE, managed.params))
-        parts = managed.split(dtypes) if len(set(dtypes)) > 1 else [managed]
+        keys = _group_keys(managed, mp_policy)
+        parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
+        policies = [_policy_for(mp_policy, key) for key in dict.fromkeys(keys)]
         pin = offload and offload_policy.pin_memory
         groups = [
-            FSDPParamGroup(part, modules, info, mp_policy, offload, pin, post_forward)
-            for part in parts
+            FSDPParamGroup(part, modules, info, policy, offload, pin, post_forward)
+            for part, policy in zip(parts, policies, strict=True)
         ]
         # [Note: One group per dtype]
         group = groups[0] if len(groups) == 1 else GroupBundle(groups)
@@ -130,6 +132,39 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
+
+
+def _group_keys(managed, mp_policy: MixedPrecisionPolicy) -> list:
+    """Per parameter, what its group is made of: its dtype and, where the policy
+    has a ``param_dtype_override_fn`` (torch >= 2.15), the unsharded dtype it
+    resolves to ([Note: One group per dtype])."""
+    dtypes = list(map(_DTYPE, managed.params))
+    override = getattr(mp_policy, "param_dtype_override_fn", None)
+    if override is None:
+        return dtypes
+    keys = []
+    for fqn, p, dtype in zip(managed.fqns, managed.params, dtypes, strict=True):
+        chosen = override(p)
+        if chosen is not None and not isinstance(chosen, torch.dtype):
+            raise ValueError(
+                f"fully_shard: param_dtype_override_fn returned {chosen!r} for {fqn}; it "
+                "must return a torch.dtype or None"
+            )
+        if chosen is not None and chosen not in (mp_policy.param_dtype, dtype):
+            raise ValueError(
+                f"fully_shard: param_dtype_override_fn returned {chosen} for {fqn} (dtype "
+                f"{dtype}); it may return None, param_dtype ({mp_policy.param_dtype}) or the "
+                "parameter's own dtype"
+            )
+        keys.append((dtype, chosen or mp_policy.param_dtype))
+    return keys
+
+
+def _policy_for(mp_policy: MixedPrecisionPolicy, key) -> MixedPrecisionPolicy:
+    """The policy of the group made of ``key``: the resolved unsharded dtype."""
+    if not isinstance(key, tuple) or key[1] == mp_policy.param_dtype:
+        return mp_policy
+    return dataclasses.replace(mp_policy, param_dtype=key[1])
 
 
 def _post_forward_size(reshard_after_forward: bool | int | None, shard_size: int) -> int | None:
@@ -272,8 +307,10 @@ class FSDPModule:
             group.unshard_in_backward = unshard_in_backward
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # module.to / to_empty / cuda replace the registered sharded parameters:
-        # re-point the group buffers at them.
+        # module.to / to_empty / cuda replace the registered sharded parameters'
+        # data ([Note: Adopting registered parameters]): the sharded ones must be
+        # registered, and the groups then re-point their buffers at the new data.
+        self.reshard()
         result = super()._apply(*args, **kwargs)
         for group in self._groups(True):
             group.adopt_registered()

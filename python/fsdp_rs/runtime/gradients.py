@@ -53,6 +53,18 @@ So no local observation decides a collective or an assignment alone:
   flags (a device sync, only then) and assigns a ``.grad`` to each parameter
   some rank had a gradient for. A rank that had every gradient pays one small
   collective per backward and no sync.
+
+[Note: Post-accumulate-grad hooks]
+Autograd never accumulates into a sharded parameter (forward uses the unsharded
+one), so the hooks users register on it with
+``register_post_accumulate_grad_hook`` (optimizer-in-backward: one optimizer per
+parameter, stepped in the hook) are run here, as FSDP2 runs them: once per
+parameter per reduction that assigns or adds to its ``.grad``, right after, on
+the stream of that assignment. No reduction, no hook: a backward under
+``set_requires_gradient_sync(False)`` or ``set_requires_all_reduce(False)``
+(HSDP) runs none, and the next synced one runs each once. A parameter that
+this rank had no gradient for gets its hook when the agreement assigns its
+``.grad`` ([Note: Gradient agreement]); one no rank had a gradient for, none.
 """
 
 from __future__ import annotations
@@ -69,6 +81,7 @@ from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_non
 __all__ = ["GradientReduction"]
 
 _VERSION = operator.attrgetter("_version")
+_ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _DEREF = weakref.ref.__call__
 
 
@@ -300,6 +313,7 @@ class GradientReduction:
                 set_grads(self._grad_params, views)
             else:
                 self._assign_grads(output, post, had_grad, current)
+            self._run_accumulate_hooks(had_grad)
             post_event = streams.record(post_stream)
         self.agreement.note(self, had_grad, post_stream)
         # One rank: the post-reduce read the input itself.
@@ -392,6 +406,18 @@ class GradientReduction:
         wanted = [a and not h for a, h in zip(agreed, had_grad, strict=True)]
         if any(wanted):
             self._assign_from(fresh, wanted, get_grads(self._grad_params))
+            self._run_accumulate_hooks(wanted)
+
+    def _run_accumulate_hooks(self, which: list[bool]) -> None:
+        """[Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
+        params = self._grad_params
+        if not any(map(_ACC_HOOKS, params)):  # the usual case: one C-level pass
+            return
+        for param, assigned in zip(params, which, strict=True):
+            hooks = param._post_accumulate_grad_hooks
+            if assigned and hooks:
+                for hook in list(hooks.values()):
+                    hook(param)
 
     def _assign_from(
         self, fresh: torch.Tensor, which: list[bool], current: list[torch.Tensor | None]

@@ -6,6 +6,21 @@ and unsharded parameters over them. The transitions between them are in
 Per step a group makes O(1) op and collective calls; the only per-parameter
 work is reading the gradients autograd hands over and the C-level swaps of
 [Note: Swapping registered parameters].
+
+[Note: Adopting registered parameters]
+The sharded DTensor parameters are the objects users hold (optimizers, hooks
+from ``register_post_accumulate_grad_hook``, attributes), so their identity is
+never changed. ``module.to`` / ``to_empty`` / ``cuda`` swap new data into the
+same objects (``nn.Module._apply`` uses ``swap_tensors`` for DTensors), and
+``load_state_dict(assign=True)`` registers other objects (Hugging Face
+accelerate's RAM-efficient loading then hands those to the optimizer). Either
+way the group adopts what is registered: it copies their local shards into a
+fresh sharded buffer and points each object's local tensor at its view there,
+as FSDP2 re-points its parameters at its padded storage. A new dtype for all
+(``model.to(torch.float64)``) re-plans the group in it; new shapes, shards of
+another mesh or mixed dtypes are refused with the parameter named. While some
+of them are still on the meta device (``to_empty`` of one module of a group
+over several) it waits; lazy init adopts before the first forward.
 """
 
 from __future__ import annotations
@@ -97,32 +112,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.device = info.device
         params = managed.params
         self._check_params(params)
-        self.orig_dtype = params[0].dtype
-        param_dtype = mp_policy.param_dtype or self.orig_dtype
-        self.param_dtype = param_dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or param_dtype
+        self.mp_policy = mp_policy
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
         self.shapes = list(map(_SHAPE, params))
         self.requires_grad = list(map(_REQUIRES_GRAD, params))
         self.post_forward_size = post_forward_size
-        # [Note: Shared group layouts]
-        self.layout = group_layout(
-            LayoutKey(
-                tuple(self.shapes),
-                self.orig_dtype,
-                param_dtype,
-                self.reduce_dtype,
-                info.shard_size,
-                info.shard_rank,
-                post_forward_size,
-                self.device,
-            )
-        )
-        self.plan = self.layout.plan
-        self.tables = self.layout.tables
-        # Contiguous strides are those of the full, padded and sharded shapes alike.
-        self.strides = self.layout.strides
+        self._set_dtypes(params[0].dtype)
         self.ops = EagerOps(self.device)  # [Note: Eager op calls]
         self.shard_ops = EagerOps(self.shard_device)
         self._specs = _Specs(info)
@@ -153,6 +149,32 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._build_sharded(params)
 
     # ------------------------------------------------------------------ init
+
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        """The group's dtypes (original, unsharded, reduce) and the layout that
+        follows from them: at ``fully_shard``, and again when the registered
+        parameters come back in another dtype (``model.to(torch.float64)``)."""
+        mp_policy = self.mp_policy
+        self.orig_dtype = orig_dtype
+        self.param_dtype = mp_policy.param_dtype or orig_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        # [Note: Shared group layouts]
+        self.layout = group_layout(
+            LayoutKey(
+                tuple(self.shapes),
+                orig_dtype,
+                self.param_dtype,
+                self.reduce_dtype,
+                self.info.shard_size,
+                self.info.shard_rank,
+                self.post_forward_size,
+                self.device,
+            )
+        )
+        self.plan = self.layout.plan
+        self.tables = self.layout.tables
+        # Contiguous strides are those of the full, padded and sharded shapes alike.
+        self.strides = self.layout.strides
 
     def _check_params(self, params: list[nn.Parameter]) -> None:
         devices = set(map(_DEVICE, params))
@@ -286,8 +308,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
 
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced
-        them (``to_empty``, ``module.to``, ``load_state_dict(assign=True)``): copy
-        their local shards into a fresh sharded buffer and rebuild the views."""
+        them or their data; see [Note: Adopting registered parameters]."""
+        if self.state == ShardedState.UNSHARDED:
+            return  # the unsharded parameters are registered: nothing to adopt
         current = self.managed.registered()
         buffer_ptr = self.sharded.untyped_storage().data_ptr()
         if all(map(operator.is_, current, self.sharded_params)) and all(
@@ -302,15 +325,50 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     "torch.distributed.checkpoint) or use load_state_dict without assign=True"
                 )
         locals_ = [p._local_tensor for p in current]
-        device = next((t.device for t in locals_ if not t.is_meta), torch.device("meta"))
-        if device.type == "meta":
-            return
+        if any(t.is_meta for t in locals_):
+            return  # not all materialized yet (one module of a group): lazy init checks
+        self._check_adopted(current, locals_)
+        dtype = locals_[0].dtype
+        if dtype != self.orig_dtype:
+            self._set_dtypes(dtype)
         self.sharded = self._alloc_sharded(self.shard_device)
         views = self._local_views(self.sharded)
         with torch.no_grad():
             torch._foreach_copy_(views, locals_)
-        self._make_sharded_params([p.requires_grad for p in current], views)
+        for p, view in zip(current, views, strict=True):
+            p._local_tensor = view
+            p._spec = self._specs(p.shape, p.stride(), view.dtype)
+        self.sharded_params = current
+        self._read_requires_grad()
+        self.unsharded_params = None
         self.managed.swap(self.sharded_params)
+
+    def _check_adopted(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
+        """What ``adopt_registered`` can take: the shapes the group was planned
+        for, this rank's shard of each, one dtype."""
+        sizes = self.layout.sharded_sizes
+        for i, (fqn, p, t) in enumerate(zip(self.managed.fqns, params, locals_, strict=True)):
+            if p.shape != self.shapes[i] or tuple(p.stride()) != tuple(self.strides[i]):
+                raise ValueError(
+                    f"fsdp_rs: parameter {fqn} was replaced by a DTensor of shape "
+                    f"{tuple(p.shape)} (stride {p.stride()}); it was sharded with shape "
+                    f"{tuple(self.shapes[i])}, contiguous: load state of the same model"
+                )
+            if tuple(t.shape) != tuple(sizes[i]):
+                raise ValueError(
+                    f"fsdp_rs: parameter {fqn} was replaced by a DTensor whose local shard "
+                    f"has shape {tuple(t.shape)}; this rank's shard has shape "
+                    f"{tuple(sizes[i])}: load state sharded over the same mesh (Shard(0))"
+                )
+        dtypes = {t.dtype for t in locals_}
+        if len(dtypes) > 1:
+            listing = ", ".join(
+                f"{fqn}: {t.dtype}" for fqn, t in zip(self.managed.fqns, locals_, strict=True)
+            )
+            raise ValueError(
+                "fsdp_rs: the parameters of one fully_shard group now have several dtypes "
+                f"({listing}); convert the whole module (module.to(dtype)) or none of it"
+            )
 
     def _make_unsharded_params(self) -> None:
         self._read_requires_grad()

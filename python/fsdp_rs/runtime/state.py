@@ -98,6 +98,19 @@ class FSDPState:
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
+            # state_dict and load_state_dict see the sharded parameters; a load
+            # that assigned new ones is adopted at once.
+            module.register_state_dict_pre_hook(self._to_sharded)
+            module._register_load_state_dict_pre_hook(self._to_sharded)
+            module.register_load_state_dict_post_hook(self._adopt_loaded)
+
+    def _to_sharded(self, *unused: Any) -> None:
+        if self.group is not None and self.group.state != ShardedState.SHARDED:
+            self.group.reshard()
+
+    def _adopt_loaded(self, *unused: Any) -> None:
+        if self.group is not None:
+            self.group.adopt_registered()
 
     # ------------------------------------------------------------- lazy init
 

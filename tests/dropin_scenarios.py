@@ -1,0 +1,374 @@
+"""Behaviours of torch FSDP2 that fsdp-rs must reproduce, each trained or
+inspected with fsdp-rs and with torch FSDP2 side by side in the same spawned
+gloo process, over explicit CPU meshes.
+
+Each scenario returns a dict per library (``"rs"``, ``"torch"``) of what it
+observed: losses and final local shards as float lists (compared bit for bit),
+hook counts, dtypes, types. ``test_dropin.py`` asserts on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import fsdp_rs
+
+# Every shard a multiple of 16 bytes: [Note: Gloo sums by buffer size] in test_dropin.py.
+DIM, HIDDEN, OUT, BATCH, STEPS = 16, 32, 8, 6, 4
+LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(DIM, HIDDEN)
+        self.lin2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.relu(self.lin1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.to(self.head.weight.dtype))
+
+
+def _mesh(world_size: int, hsdp: bool):
+    if hsdp:
+        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _sharded(lib: str, model: nn.Module, mesh, **kwargs) -> nn.Module:
+    shard = LIBS[lib]
+    for block in model.blocks:
+        shard(block, mesh=mesh, **kwargs)
+    shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(BATCH, DIM, generator=gen)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _shards(model: nn.Module) -> dict[str, list[float]]:
+    return {n: _local(p).detach().double().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
+
+
+# ------------------------------------------------------- post-accumulate-grad
+
+
+def post_acc_hook_counts(world_size: int, rank: int, hsdp: bool = False) -> dict:
+    """Hook runs per parameter: a synced backward; two micro-steps, the first
+    under set_requires_gradient_sync(False) (HSDP: set_requires_all_reduce)."""
+    out = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        model = _sharded(lib, Net(), _mesh(world_size, hsdp))
+        counts: dict[str, int] = {n: 0 for n, _ in model.named_parameters()}
+
+        def hook(name: str, param: torch.Tensor, counts=counts) -> None:
+            assert param.grad is not None, name
+            counts[name] += 1
+
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(functools.partial(hook, name))
+        seen = []
+        _loss(model, _inputs(rank, 0)).backward()
+        seen.append(dict(counts))
+        model.zero_grad()
+        if hsdp:
+            model.set_requires_all_reduce(False)
+        else:
+            model.set_requires_gradient_sync(False)
+        _loss(model, _inputs(rank, 1)).backward()
+        seen.append(dict(counts))
+        model.set_requires_all_reduce(True)
+        model.set_requires_gradient_sync(True)
+        _loss(model, _inputs(rank, 2)).backward()
+        seen.append(dict(counts))
+        out[lib] = {"counts": seen}
+    return out
+
+
+def post_acc_hook_optim(
+    world_size: int,
+    rank: int,
+    hsdp: bool = False,
+    offload: bool = False,
+    mp: bool = False,
+    accumulate: bool = False,
+) -> dict:
+    """Optimizer in backward (one AdamW per parameter, stepped and zeroed in its
+    post-accumulate-grad hook) against FSDP2 doing the same, and, for fsdp-rs,
+    against one AdamW stepped after backward."""
+    kwargs = {}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    optim_kwargs = {"lr": 1e-2, "foreach": False, "weight_decay": 0.1}
+    out = {}
+    for lib, in_backward in (("rs", True), ("torch", True), ("rs_step", False)):
+        torch.manual_seed(0)
+        model = _sharded(lib.removesuffix("_step"), Net(), _mesh(world_size, hsdp), **kwargs)
+        if in_backward:
+            optims = {p: torch.optim.AdamW([p], **optim_kwargs) for p in model.parameters()}
+
+            def hook(param: torch.Tensor, optims=optims) -> None:
+                optims[param].step()
+                optims[param].zero_grad()
+
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(hook)
+        else:
+            optim = torch.optim.AdamW(model.parameters(), **optim_kwargs)
+        losses = []
+        for step in range(STEPS):
+            if accumulate:
+                model.set_requires_gradient_sync(False)
+                _loss(model, _inputs(rank, step, 1)).backward()
+                model.set_requires_gradient_sync(True)
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            if not in_backward:
+                optim.step()
+                optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(model)}
+    return out
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def to_float64(world_size: int, rank: int, swap: bool = True) -> dict:
+    """model.to(torch.float64) after fully_shard, then training."""
+    out = {}
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        for lib in LIBS:
+            torch.manual_seed(0)
+            model = _sharded(lib, Net(), _mesh(world_size, False))
+            objects = list(model.parameters())
+            model.to(torch.float64)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                loss = _loss(model, _inputs(rank, step).double())
+                loss.backward()
+                losses.append(loss.item())
+                grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+                optim.step()
+                optim.zero_grad()
+            out[lib] = {
+                "losses": losses,
+                "params": _shards(model),
+                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                "local_dtypes": sorted({str(_local(p).dtype) for p in model.parameters()}),
+                "grad_dtypes": grad_dtypes,
+                "same_objects": all(map(_is, objects, model.parameters())),
+            }
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    return out
+
+
+def _is(a, b) -> bool:
+    return a is b
+
+
+# ----------------------------------------------------------------- state dict
+
+
+def state_dict_after_forward(world_size: int, rank: int) -> dict:
+    """state_dict() after a forward with reshard_after_forward=False: the
+    sharded DTensors, not the unsharded parameters; then a backward and a step
+    still train."""
+    out = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        model = _sharded(lib, Net(), _mesh(world_size, False), reshard_after_forward=False)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss = _loss(model, _inputs(rank, 0))
+        sd = model.state_dict()
+        types = sorted({type(v).__name__ for v in sd.values()})
+        shapes = {k: list(_local(v).shape) for k, v in sd.items()}
+        values = {k: _local(v).flatten().tolist() for k, v in sd.items()}
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        loss2 = _loss(model, _inputs(rank, 1))
+        model.load_state_dict(model.state_dict())  # after forward, in place
+        loss2.backward()
+        optim.step()
+        out[lib] = {
+            "types": types,
+            "shapes": shapes,
+            "values": values,
+            "losses": [loss.item(), loss2.item()],
+            "params": _shards(model),
+        }
+    return out
+
+
+def load_assign(world_size: int, rank: int) -> dict:
+    """Hugging Face accelerate's RAM-efficient loading: full weights made into
+    new DTensors, load_state_dict(assign=True), the optimizer built over the
+    parameters registered then; training must update them."""
+    out = {}
+    torch.manual_seed(1)
+    full = Net().state_dict()
+    for lib in LIBS:
+        torch.manual_seed(0)
+        mesh = _mesh(world_size, False)
+        model = _sharded(lib, Net(), mesh)
+        sd = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in full.items()}
+        model.load_state_dict(sd, assign=True)
+        objects = list(model.parameters())
+        optim = torch.optim.AdamW(objects, lr=1e-2)
+        start = _shards(model)
+        losses = []
+        for step in range(3):
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        end = _shards(model)
+        out[lib] = {
+            "losses": losses,
+            "params": end,
+            "trained": all(start[n] != end[n] for n in start if start[n]),
+            "same_objects": all(map(_is, objects, model.parameters())),
+        }
+    return out
+
+
+# ------------------------------------------------------------ mixed precision
+
+
+def param_dtype_override(world_size: int, rank: int) -> dict:
+    """MixedPrecisionPolicy.param_dtype_override_fn: the head computes in fp32
+    while the rest computes in bf16 (torch >= 2.15 has the field; older torch
+    runs fsdp-rs alone, with a policy subclass that adds it)."""
+    fields = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+    policy_cls = MixedPrecisionPolicy
+    libs = dict(LIBS)
+    if "param_dtype_override_fn" not in fields:
+        policy_cls = dataclasses.make_dataclass(
+            "OverridePolicy",
+            [("param_dtype_override_fn", Callable | None, dataclasses.field(default=None))],
+            bases=(MixedPrecisionPolicy,),
+            frozen=True,
+        )
+        libs.pop("torch")
+    out = {}
+    for lib in libs:
+        torch.manual_seed(0)
+        model = Net()
+        head = {id(p) for p in model.head.parameters()}
+
+        def override(p: nn.Parameter, head=head) -> torch.dtype | None:
+            return torch.float32 if id(p) in head else None
+
+        policy = policy_cls(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            param_dtype_override_fn=override,
+        )
+        LIBS[lib](model, mesh=_mesh(world_size, False), mp_policy=policy)
+        seen = {}
+
+        def record(module, args, output, name, seen=seen):
+            seen[name] = [str(module.weight.dtype), str(output.dtype)]
+
+        model.head.register_forward_hook(functools.partial(record, name="head"))
+        model.blocks[0].lin1.register_forward_hook(functools.partial(record, name="lin1"))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(model), "dtypes": seen}
+    return out
+
+
+SCENARIOS: dict[str, tuple[Callable, dict]] = {
+    "hook_counts": (post_acc_hook_counts, {}),
+    "hook_counts_hsdp": (post_acc_hook_counts, {"hsdp": True, "min_world": 4}),
+    "hook_optim": (post_acc_hook_optim, {}),
+    "hook_optim_offload": (post_acc_hook_optim, {"offload": True}),
+    "hook_optim_bf16": (post_acc_hook_optim, {"mp": True}),
+    "hook_optim_accumulate": (post_acc_hook_optim, {"accumulate": True}),
+    "hook_optim_hsdp": (post_acc_hook_optim, {"hsdp": True, "min_world": 4}),
+    "to_float64": (to_float64, {}),
+    "to_float64_no_swap": (to_float64, {"swap": False}),
+    "state_dict_after_forward": (state_dict_after_forward, {}),
+    "load_assign": (load_assign, {}),
+    "param_dtype_override": (param_dtype_override, {}),
+}
+
+
+def run(name: str, world_size: int, rank: int) -> dict:
+    fn, kwargs = SCENARIOS[name]
+    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
+    return fn(world_size, rank, **kwargs)
+
+
+def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    for name in names:
+        try:
+            results[name] = run(name, world_size, rank)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            with open(path, "w") as f:
+                json.dump(results, f)
+            raise  # the other ranks may be waiting in a collective: end the spawn
+        dist.barrier()
+    with open(path, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
