@@ -1,9 +1,15 @@
-"""Training scenarios run under real gloo collectives by spawned processes.
+"""Training scenarios run under real collectives by spawned processes: gloo on
+CPU meshes (``worker``) and NCCL on CUDA meshes (``cuda_worker``, one rank per GPU).
 
 Every scenario trains the same model, from the same initial weights and with
 per-rank data, twice: with torch FSDP2's ``fully_shard`` and with fsdp-rs's,
 and records losses and final full parameters. Some also train a replicated
 reference (plain model, gradients averaged with ``all_reduce``).
+
+Both libraries get an explicit mesh of the scenario's device type: their
+default mesh is on the accelerator whenever one is present, whatever the
+backend, so a gloo run that left it to them would put CUDA tensors on gloo
+next to a GPU.
 """
 
 from __future__ import annotations
@@ -34,14 +40,22 @@ def mlp(dims=(16, 33, 7, 13, 5)) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def _mlp_data(step: int, rank: int, dim: int = 16):
+def _mlp_data(step: int, rank: int, dim: int = 16, device: str = "cpu"):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, dim, generator=g)
+    return torch.randn(8, dim, generator=g).to(device)
 
 
-def _tokens(step: int, rank: int):
+def _tokens(step: int, rank: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, 37, (4, 9), generator=g)
+    return torch.randint(0, 37, (4, 9), generator=g).to(device)
+
+
+def _mesh(device: str, world_size: int, hsdp: bool = False):
+    """The mesh both libraries shard over: (replicate, shard) for HSDP, else 1-D."""
+    if hsdp:
+        shape, names = (2, world_size // 2), ("replicate", "shard")
+        return init_device_mesh(device, shape, mesh_dim_names=names)
+    return init_device_mesh(device, (world_size,))
 
 
 def _shard_layers(model: nn.Module, fs: Callable, **kwargs) -> None:
@@ -75,7 +89,8 @@ SCENARIOS: dict[str, dict] = {
         "mp": (torch.bfloat16, torch.float32),
         "layout_differs": True,
     },
-    # fsdp-rs with a simulated accelerator's streams (tests/stream_sim.py) and its race checker
+    # fsdp-rs with a simulated accelerator's streams (tests/stream_sim.py) and its
+    # race checker: CPU only (on CUDA the streams are real)
     "mlp_streams": {"streams": True},
     "transformer_bf16_streams": {
         "model": "transformer",
@@ -91,6 +106,15 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
+def cuda_scenarios(world_size: int) -> list[str]:
+    """The scenarios ``cuda_worker`` runs at ``world_size``."""
+    return [
+        name
+        for name, spec in SCENARIOS.items()
+        if spec.get("min_world", 1) <= world_size and not spec.get("streams")
+    ]
+
+
 def _build(spec: dict) -> nn.Module:
     torch.manual_seed(0)
     if spec.get("model") == "transformer":
@@ -101,9 +125,17 @@ def _build(spec: dict) -> nn.Module:
     return model
 
 
-def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=None):
+def train(
+    spec: dict,
+    fs: Callable | None,
+    world_size: int,
+    rank: int,
+    checker=None,
+    device: str = "cpu",
+):
     """Losses and final full parameters; ``fs=None`` trains the replicated reference.
-    ``checker``: a stream_sim race checker to run the steps under."""
+    ``checker``: a stream_sim race checker to run the steps under. ``device``: the
+    mesh's device type; fully_shard moves the model there, the data is made there."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     model = _build(spec)
@@ -117,14 +149,14 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=N
         )
     if spec.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    if spec.get("hsdp"):
-        kwargs["mesh"] = init_device_mesh(
-            "cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")
-        )
     ignored = None
     if spec.get("ignored") is not None:
         ignored = set(model[spec["ignored"]].parameters())
-    if fs is not None:
+        model[spec["ignored"]].to(device)  # fully_shard leaves ignored params where they are
+    if fs is None:
+        model.to(device)
+    else:
+        kwargs["mesh"] = _mesh(device, world_size, hsdp=spec.get("hsdp", False))
         if ignored is not None:
             children = list(model)
             for i, child in enumerate(children):
@@ -151,7 +183,7 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=N
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     with checker or contextlib.nullcontext():
-        _steps(spec, model, opt, fs, world_size, rank, losses)
+        _steps(spec, model, opt, fs, world_size, rank, losses, device)
     params = [
         p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
     ]
@@ -159,14 +191,15 @@ def train(spec: dict, fs: Callable | None, world_size: int, rank: int, checker=N
     return losses, [t.tolist() for t in params + ignored_local]
 
 
-def _steps(spec, model, opt, fs, world_size: int, rank: int, losses: list) -> None:
+def _steps(spec, model, opt, fs, world_size: int, rank: int, losses: list, device: str) -> None:
     transformer = spec.get("model") == "transformer"
     for step in range(STEPS):
         micro = 2 if spec.get("accumulate") else 1
         for k in range(micro):
             if fs is not None and spec.get("accumulate"):
                 model.set_requires_gradient_sync(k == micro - 1)
-            data = _tokens(step * 10 + k, rank) if transformer else _mlp_data(step * 10 + k, rank)
+            t = step * 10 + k
+            data = _tokens(t, rank, device) if transformer else _mlp_data(t, rank, device=device)
             out = model(data)
             loss = out.float().pow(2).mean()
             loss.backward()
@@ -180,7 +213,7 @@ def _steps(spec, model, opt, fs, world_size: int, rank: int, losses: list) -> No
         opt.zero_grad()
 
 
-def checkpoint_round_trip(out_dir: str, world_size: int) -> dict:
+def checkpoint_round_trip(out_dir: str, world_size: int, device: str = "cpu") -> dict:
     """Save an fsdp-rs model (trained one step) with torch.distributed.checkpoint,
     load it into a differently initialized fsdp-rs model and into a torch FSDP2
     model: every parameter's full tensor must come back bit for bit."""
@@ -189,14 +222,16 @@ def checkpoint_round_trip(out_dir: str, world_size: int) -> dict:
 
     import fsdp_rs
 
+    mesh = _mesh(device, world_size)
+
     def build(seed: int, fs: Callable) -> nn.Module:
         torch.manual_seed(seed)
         model = mlp()
-        _shard_layers(model, fs)
+        _shard_layers(model, fs, mesh=mesh)
         return model
 
     model = build(0, fsdp_rs.fully_shard)
-    x = _mlp_data(0, dist.get_rank())
+    x = _mlp_data(0, dist.get_rank(), device=device)
     model(x).square().mean().backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -221,9 +256,29 @@ def checkpoint_round_trip(out_dir: str, world_size: int) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    """The scenarios on CPU meshes over gloo."""
+    _run(rank, world_size, port, names, out_dir, "gloo", "cpu")
+
+
+def cuda_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    """The scenarios on CUDA meshes over NCCL, rank r on GPU r."""
+    # cuBLAS picks its workspace per stream; a fixed one keeps matmuls bitwise
+    # reproducible whichever stream runs them (set before CUDA starts).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.cuda.set_device(rank)
+    # Both libraries' runs must compute alike: deterministic kernels where torch
+    # has them, and the math attention (the fused ones' backward may use atomics).
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    _run(rank, world_size, port, names, out_dir, "nccl", "cuda")
+
+
+def _run(rank, world_size, port, names, out_dir, backend: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -233,23 +288,23 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
     for name in names:
         spec = SCENARIOS[name]
         try:
-            torch_run = train(spec, torch_fully_shard, world_size, rank)
+            torch_run = train(spec, torch_fully_shard, world_size, rank, device=device)
             if spec.get("streams"):
                 with simulated_streams() as (_, checker):
                     ours = train(spec, fsdp_rs.fully_shard, world_size, rank, checker)
             else:
-                ours = train(spec, fsdp_rs.fully_shard, world_size, rank)
+                ours = train(spec, fsdp_rs.fully_shard, world_size, rank, device=device)
             result = {"torch": torch_run, "fsdp_rs": ours}
             if spec.get("streams"):
                 result["violations"] = checker.violations
             if name in ("mlp", "transformer_tied"):
-                result["replicated"] = train(spec, None, world_size, rank)
+                result["replicated"] = train(spec, None, world_size, rank, device=device)
         except Exception:
             result = {"error": traceback.format_exc()}
         results[name] = result
         dist.barrier()
     try:
-        results["checkpoint"] = checkpoint_round_trip(out_dir, world_size)
+        results["checkpoint"] = checkpoint_round_trip(out_dir, world_size, device)
     except Exception:
         results["checkpoint"] = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

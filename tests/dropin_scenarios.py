@@ -14,6 +14,7 @@ import datetime
 import functools
 import json
 import os
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ import fsdp_rs
 # Every shard a multiple of 16 bytes: [Note: Gloo sums by buffer size] in test_dropin.py.
 DIM, HIDDEN, OUT, BATCH, STEPS = 16, 32, 8, 6, 4
 LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
+_BUILD_LOCK = threading.Lock()
 
 
 class Block(nn.Module):
@@ -58,6 +60,14 @@ def _mesh(world_size: int, hsdp: bool):
     if hsdp:
         return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
     return init_device_mesh("cpu", (world_size,))
+
+
+def _net(seed: int = 0) -> Net:
+    """The model at a seed; one construction at a time, so that ranks run as
+    threads of one process build the same weights from the global RNG."""
+    with _BUILD_LOCK:
+        torch.manual_seed(seed)
+        return Net()
 
 
 def _sharded(lib: str, model: nn.Module, mesh, **kwargs) -> nn.Module:
@@ -93,8 +103,7 @@ def post_acc_hook_counts(world_size: int, rank: int, hsdp: bool = False) -> dict
     under set_requires_gradient_sync(False) (HSDP: set_requires_all_reduce)."""
     out = {}
     for lib in LIBS:
-        torch.manual_seed(0)
-        model = _sharded(lib, Net(), _mesh(world_size, hsdp))
+        model = _sharded(lib, _net(), _mesh(world_size, hsdp))
         counts: dict[str, int] = {n: 0 for n, _ in model.named_parameters()}
 
         def hook(name: str, param: torch.Tensor, counts=counts) -> None:
@@ -142,8 +151,7 @@ def post_acc_hook_optim(
     optim_kwargs = {"lr": 1e-2, "foreach": False, "weight_decay": 0.1}
     out = {}
     for lib, in_backward in (("rs", True), ("torch", True), ("rs_step", False)):
-        torch.manual_seed(0)
-        model = _sharded(lib.removesuffix("_step"), Net(), _mesh(world_size, hsdp), **kwargs)
+        model = _sharded(lib.removesuffix("_step"), _net(), _mesh(world_size, hsdp), **kwargs)
         if in_backward:
             optims = {p: torch.optim.AdamW([p], **optim_kwargs) for p in model.parameters()}
 
@@ -181,8 +189,7 @@ def to_float64(world_size: int, rank: int, swap: bool = True) -> dict:
     torch.__future__.set_swap_module_params_on_conversion(swap)
     try:
         for lib in LIBS:
-            torch.manual_seed(0)
-            model = _sharded(lib, Net(), _mesh(world_size, False))
+            model = _sharded(lib, _net(), _mesh(world_size, False))
             objects = list(model.parameters())
             model.to(torch.float64)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -220,8 +227,7 @@ def state_dict_after_forward(world_size: int, rank: int) -> dict:
     still train."""
     out = {}
     for lib in LIBS:
-        torch.manual_seed(0)
-        model = _sharded(lib, Net(), _mesh(world_size, False), reshard_after_forward=False)
+        model = _sharded(lib, _net(), _mesh(world_size, False), reshard_after_forward=False)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loss = _loss(model, _inputs(rank, 0))
         sd = model.state_dict()
@@ -250,12 +256,10 @@ def load_assign(world_size: int, rank: int) -> dict:
     new DTensors, load_state_dict(assign=True), the optimizer built over the
     parameters registered then; training must update them."""
     out = {}
-    torch.manual_seed(1)
-    full = Net().state_dict()
+    full = _net(seed=1).state_dict()
     for lib in LIBS:
-        torch.manual_seed(0)
         mesh = _mesh(world_size, False)
-        model = _sharded(lib, Net(), mesh)
+        model = _sharded(lib, _net(), mesh)
         sd = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in full.items()}
         model.load_state_dict(sd, assign=True)
         objects = list(model.parameters())
@@ -298,8 +302,7 @@ def param_dtype_override(world_size: int, rank: int) -> dict:
         libs.pop("torch")
     out = {}
     for lib in libs:
-        torch.manual_seed(0)
-        model = Net()
+        model = _net()
         head = {id(p) for p in model.head.parameters()}
 
         def override(p: nn.Parameter, head=head) -> torch.dtype | None:
@@ -330,6 +333,55 @@ def param_dtype_override(world_size: int, rank: int) -> dict:
     return out
 
 
+# ------------------------------------------------ nothing left behind in a process
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("raised inside a sharded module's forward")
+
+
+def second_model(world_size: int, rank: int, first: str = "checkpoint") -> dict:
+    """A model trained after another one that used the composable checkpoint()
+    on its blocks, or whose forward raised inside a sharded block: the second
+    trains as under FSDP2, and the first trains again after its exception."""
+    from torch.distributed._composable import checkpoint
+
+    out = {}
+    for lib in LIBS:
+        losses = []
+        model = _net()
+        if first == "checkpoint":
+            for block in model.blocks:
+                checkpoint(block)
+        else:
+            model.blocks[1].lin2 = nn.Sequential(model.blocks[1].lin2, _Fails())
+        _sharded(lib, model, _mesh(world_size, False))
+        if first == "checkpoint":
+            loss = _loss(model, _inputs(rank, 0))
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            try:
+                _loss(model, _inputs(rank, 0))
+            except ValueError:
+                pass
+            model.blocks[1].lin2[1].forward = lambda x: x
+            loss = _loss(model, _inputs(rank, 1))
+            loss.backward()
+            losses.append(loss.item())
+        second = _sharded(lib, _net(), _mesh(world_size, False))
+        optim = torch.optim.AdamW(second.parameters(), lr=1e-2)
+        for step in range(2):
+            loss = _loss(second, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(second)}
+    return out
+
+
 SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "hook_counts": (post_acc_hook_counts, {}),
     "hook_counts_hsdp": (post_acc_hook_counts, {"hsdp": True, "min_world": 4}),
@@ -343,6 +395,8 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "state_dict_after_forward": (state_dict_after_forward, {}),
     "load_assign": (load_assign, {}),
     "param_dtype_override": (param_dtype_override, {}),
+    "after_checkpoint": (second_model, {}),
+    "after_exception": (second_model, {"first": "exception"}),
 }
 
 

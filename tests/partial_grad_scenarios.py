@@ -141,10 +141,13 @@ def _shard(model: Net, spec: dict, world_size: int) -> None:
         )
     if spec.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    # An explicit CPU mesh: the default one is on the GPU whenever one is present.
     if spec.get("hsdp"):
         kwargs["mesh"] = init_device_mesh(
             "cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")
         )
+    else:
+        kwargs["mesh"] = init_device_mesh("cpu", (world_size,))
     for layer in model.layers:
         fsdp_rs.fully_shard(layer, **kwargs)
     if model.aux is not None:

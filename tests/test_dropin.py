@@ -119,3 +119,66 @@ def test_param_dtype_override_fn(results):
         }
         if "torch" in r:  # torch >= 2.15 has the field
             _assert_same(rank, r["rs"], r["torch"])
+
+
+# ------------------------------------------------------------ ranks as threads
+
+THREAD_SCENARIOS = ["hook_optim", "to_float64", "load_assign", "after_checkpoint"]
+
+
+def _run_threaded(names: list[str], world_size: int) -> list[dict]:
+    """Run scenarios with the ranks as threads of this process (torch's
+    threaded process group, as torch's and users' unit tests use it)."""
+    import threading
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    from dropin_scenarios import run
+
+    results: list[dict] = [{} for _ in range(world_size)]
+    errors: list[str] = []
+    # As torch's MultiThreadedTestCase: group names registered per thread.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    threaded._install_threaded_pg()
+    threaded.ProcessLocalGroup.reset()
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            for name in names:
+                results[rank][name] = run(name, world_size, rank)
+        except BaseException as e:
+            errors.append(f"rank {rank}:\n{traceback.format_exc()}")
+            threaded.ProcessLocalGroup.exception_handle(e)  # free the ranks waiting
+        finally:
+            dist.destroy_process_group()
+
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    finally:
+        threaded._uninstall_threaded_pg()
+        threaded.ProcessLocalGroup.reset()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        torch.set_num_threads(threads_before)
+    assert not errors, "\n".join(errors)
+    return results
+
+
+def test_ranks_as_threads():
+    """The core scenarios with the ranks as threads of one process: nothing in
+    fsdp-rs is shared between ranks, and each is bit for bit FSDP2's."""
+    per_rank = _run_threaded(THREAD_SCENARIOS, 2)
+    for rank, results in enumerate(per_rank):
+        for name in THREAD_SCENARIOS:
+            _assert_same(rank, results[name]["rs"], results[name]["torch"])

@@ -1,5 +1,7 @@
-"""fully_shard trained under real gloo collectives (spawned processes, W = 2 and 4)
-against torch FSDP2 itself and a replicated all-reduce reference.
+"""fully_shard trained under real collectives against torch FSDP2 itself and a
+replicated all-reduce reference: gloo on CPU meshes (spawned processes, W = 2
+and 4) and, where a GPU is present, NCCL on CUDA meshes (W = 1: the Triton
+kernels, real streams and NCCL in the loop).
 
 All scenarios of one world size run in one spawn (process start-up and imports
 dominate); each test then checks one scenario's recorded results.
@@ -14,10 +16,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_scenarios import SCENARIOS, worker
+from dist_scenarios import SCENARIOS, cuda_scenarios, cuda_worker, worker
 from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZES = (2, 4)
+CUDA_WORLD_SIZE = 1  # one GPU is enough: rank 0 of an NCCL group of one
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
@@ -26,6 +30,14 @@ def results(request, tmp_path_factory):
     names = [n for n, s in SCENARIOS.items() if s.get("min_world", 2) <= world_size]
     out = tmp_path_factory.mktemp(f"w{world_size}")
     spawn_scenarios(worker, world_size, names, out)
+    return world_size, read_ranks(out, world_size)
+
+
+@pytest.fixture(scope="module")
+def cuda_results(tmp_path_factory):
+    world_size = CUDA_WORLD_SIZE
+    out = tmp_path_factory.mktemp(f"cuda_w{world_size}")
+    spawn_scenarios(cuda_worker, world_size, cuda_scenarios(world_size), out)
     return world_size, read_ranks(out, world_size)
 
 
@@ -64,14 +76,30 @@ def test_training_parity(results, name):
     # ranks in an order that depends on its position in the buffer. Where
     # fsdp-rs's row layout differs from FSDP2's (FSDP2 leaves parameters without
     # gradients out of it), results agree to rounding, not bit for bit.
-    exact = world_size == 2 or not SCENARIOS[name].get("layout_differs")
+    exact = world_size <= 2 or not SCENARIOS[name].get("layout_differs")
     _check(per_rank, name, exact=exact)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", cuda_scenarios(CUDA_WORLD_SIZE))
+def test_training_parity_cuda(cuda_results, name):
+    """On a CUDA mesh over NCCL, bit for bit like torch FSDP2 on the same device."""
+    _, per_rank = cuda_results
+    _check(per_rank, name, exact=True)
 
 
 def test_checkpoint_round_trip(results):
     """torch.distributed.checkpoint saves fsdp-rs's sharded state dict and loads it
     back into fsdp-rs and into torch FSDP2, bit for bit, and both then train."""
-    _, per_rank = results
+    _check_checkpoint(results[1])
+
+
+@needs_cuda
+def test_checkpoint_round_trip_cuda(cuda_results):
+    _check_checkpoint(cuda_results[1])
+
+
+def _check_checkpoint(per_rank):
     for rank, r in enumerate(per_rank):
         result = r["checkpoint"]
         assert "error" not in result, f"rank {rank}:\n{result['error']}"

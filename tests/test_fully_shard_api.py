@@ -26,6 +26,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _cpu_default_mesh(monkeypatch):
+    """These tests shard CPU modules over gloo and fake groups without a mesh;
+    next to a GPU the default mesh (as FSDP2's) would be CUDA's."""
+    monkeypatch.setattr(fsdp_rs.runtime.mesh, "default_device_type", lambda: "cpu")
+
+
 @pytest.fixture
 def gloo1():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
@@ -409,3 +416,28 @@ def test_identical_groups_share_one_layout(fake2):
     gc.collect()
     assert layout() is None
     assert bf16._state.group.layout in _LAYOUTS.values()
+
+
+class _Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list = []
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        self.seen.append(batch)
+        return self.lin(batch["x"][0])
+
+
+def test_root_inputs_on_the_device_pass_as_they_are(gloo1):
+    """The root moves forward inputs to its device (as FSDP2); inputs already
+    there keep their identity, containers included."""
+    from fsdp_rs.runtime.state import _elsewhere
+
+    model = fully_shard(_Recorder())
+    batch = {"x": [torch.randn(2, 4)]}
+    model(batch).sum().backward()
+    assert model.seen[0] is batch
+    cpu = torch.device("cpu")
+    assert not _elsewhere(((batch,), {}), cpu)
+    assert _elsewhere(((), {"y": [torch.empty(1, device="meta")]}), cpu)

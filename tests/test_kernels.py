@@ -231,8 +231,11 @@ def test_reduce_scatter_copy_in_predivide(divide_factor, reduce):
     args = tables.reduce_scatter_args()
     torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, ref, *args, divide_factor=divide_factor)
     triton_reduce_scatter_copy_in(grads, tri, *args, divide_factor)
-    expected = rows_of([g.cpu() for g in grads], plan, reduce).div_(divide_factor)
-    assert torch.equal(ref.cpu(), expected)
+    # FSDP2 divides the reduce-dtype rows in place on their device, and torch
+    # divides differently per device ([Note: Division by a scalar]): the
+    # expectation is that same torch op where the op under test ran.
+    expected = rows_of([g.cpu() for g in grads], plan, reduce).to(DEVICE).div_(divide_factor)
+    assert torch.equal(ref, expected)
     power_of_two = divide_factor in (2.0, 8.0)
     exact = not INTERPRETED or (reduce == torch.float32 and power_of_two)
     # Interpreted: the cast to bf16/fp16 and the division each round once.
@@ -251,7 +254,9 @@ def test_post_reduce(numel, reduce, orig, divide_factor, accumulate):
     ref, tri = start.clone(), start.clone()
     torch.ops.fsdp_rs.post_reduce(output, ref, divide_factor, accumulate)
     triton_post_reduce(output, tri, divide_factor, accumulate)
-    update = (output / divide_factor if divide_factor != 1.0 else output).to(orig)
+    # FSDP2's steps, each a torch op on DEVICE ([Note: Division by a scalar]):
+    # divide in the reduce dtype, cast to the original dtype, then add.
+    update = (output.clone().div_(divide_factor) if divide_factor != 1.0 else output).to(orig)
     expected = start + update if accumulate else update
     assert torch.equal(ref, expected)
     # Interpreted, a step rounds differently only where it narrows: a
@@ -262,6 +267,45 @@ def test_post_reduce(numel, reduce, orig, divide_factor, accumulate):
     coarsest = max(reduce, orig, key=lambda d: torch.finfo(d).eps)
     # divide, cast, add: three roundings, the first two at most in the coarser dtype
     assert_close_1ulp(tri, ref, exact=exact, ulps=3, scale=scale, ulp_of=coarsest)
+
+
+def test_post_reduce_accumulate_rounds_twice_on_cuda(monkeypatch):
+    """FSDP2 accumulates ``grad += (output / factor).to(dtype)``: on CUDA a
+    multiply by the reciprocal and an add, each rounded. Triton contracts a
+    multiply feeding an add into one fma unless the launch disables it, which
+    rounds once and differs in the last bit. Compiled here for an H100 (sm_90)
+    with the options the kernel is launched with, so a CPU machine checks it."""
+    import fsdp_rs.kernels.post_reduce as post_reduce
+
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource/GPUTarget")
+    kernel = post_reduce._post_reduce_kernel
+    launches: list[dict] = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(post_reduce, "_post_reduce_kernel", Launch())
+    post_reduce.triton_post_reduce(torch.ones(8), torch.ones(8), 3.0, True)
+    (options,) = launches
+    constexprs = {name: options.pop(name) for name in ("HAS_DIV", "ACCUMULATE", "BLOCK")}
+    signature = {"src": "*fp32", "dst": "*fp32", "numel": "i32", "inv_factor": "fp32"}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreted
+    try:
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # a Triton without the CUDA backend or this API
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+    ptx = compiled.asm["ptx"]
+    assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx
+    assert "fma" not in ptx
 
 
 def test_default_tile_size_single_tile_per_param():

@@ -51,14 +51,16 @@ def test_zero_grad_set_to_none_frees_gradients(fake_pg):
     """After zero_grad() no gradient memory is held; with set_to_none=False the
     gradients stay (and are zeros), as with FSDP2."""
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_rs import fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    mesh = init_device_mesh("cpu", (fake_pg,))  # the default mesh is on a GPU if present
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     model(torch.randn(4, 64)).sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads)

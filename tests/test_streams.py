@@ -67,8 +67,10 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
     kwargs = dict(config.get("kwargs", {}))
     if config.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-    if config.get("hsdp"):
-        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2))
+    # The CPU mesh stays explicit: the default one is on the GPU whenever one is
+    # present, and the simulated device stands in for its streams here.
+    shape = (2, world // 2) if config.get("hsdp") else (world,)
+    kwargs["mesh"] = init_device_mesh("cpu", shape)
     layers = [model[0], model[2], model[3]]
     if config.get("partial"):
         model.unused = nn.Parameter(torch.randn(3, 3))  # not read: no gradient on this rank

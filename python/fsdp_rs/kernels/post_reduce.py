@@ -109,4 +109,5 @@ def triton_post_reduce(
         ACCUMULATE=bool(accumulate),
         BLOCK=BLOCK,
         num_warps=8,
+        enable_fp_fusion=False,  # multiply, then add: two roundings, as torch
     )

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
-from fsdp_rs.runtime.params import collect_params
+from fsdp_rs.runtime.params import collect_params, state_of
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_rs.runtime.state import FSDPState
 
@@ -79,7 +79,7 @@ def fully_shard(
             f"{type(module).__name__}"
         )
     for m in modules:
-        if isinstance(m, FSDPModule) or getattr(m, "_fsdp_rs_state", None) is not None:
+        if isinstance(m, FSDPModule) or state_of(m) is not None:
             raise ValueError(
                 f"fully_shard: {type(m).__name__} was already passed to fully_shard; apply it "
                 "once per module (bottom-up: submodules first, then their parent)"
@@ -215,7 +215,7 @@ class FSDPModule:
             return [self._state]
         seen, out = set(), []
         for m in self.modules():
-            s = getattr(m, "_fsdp_rs_state", None)
+            s = state_of(m)
             if s is not None and id(s) not in seen:
                 seen.add(id(s))
                 out.append(s)

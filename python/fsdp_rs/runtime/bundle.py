@@ -56,6 +56,10 @@ class GroupBundle:
     def post_backward_done(self) -> bool:  # set through __setattr__, on every group
         return all(group.post_backward_done for group in self.groups)
 
+    @property
+    def on_meta(self) -> bool:
+        return any(group.on_meta for group in self.groups)
+
     unshard = _on_each("unshard")
     wait_for_unshard = _on_each("wait_for_unshard")
     prefetch = _on_each("prefetch")

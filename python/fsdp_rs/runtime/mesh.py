@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_info", "per_mesh"]
+__all__ = ["MeshInfo", "default_device_type", "default_mesh", "mesh_info", "per_mesh"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,24 +40,39 @@ class MeshInfo:
         return torch.device(self.mesh.device_type, module.current_device())
 
 
-_DEFAULT_MESHES: dict[str, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+# default group -> {device type: its 1-D mesh}. Keyed by the group object: a
+# re-initialized process group gets a new mesh, and ranks run as threads (each
+# with its own default group) never see each other's.
+_DEFAULT_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def default_device_type() -> str:
+    """The device type of FSDP2's default mesh: the accelerator torch finds at
+    run time (``cuda`` with a visible GPU), whatever the process group's backend,
+    else ``cpu``. A model meant to stay on the CPU next to a GPU (gloo) passes
+    ``mesh=init_device_mesh("cpu", ...)``, as with FSDP2."""
+    get_accelerator = getattr(torch._C, "_get_accelerator", None)
+    if get_accelerator is not None:  # what FSDP2's default mesh asks
+        return get_accelerator().type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the default group, made once (building one creates groups)."""
+    """A 1-D mesh over the default group on ``default_device_type()``, made once
+    per device type and default group (building one creates groups)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed: call dist.init_process_group(...) first "
             "(torchrun sets up the environment), or pass mesh=init_device_mesh(...)"
         )
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    # Tied to the default group object: a re-initialized process group needs a new mesh.
-    group = dist.distributed_c10d._get_default_group()
-    cached = _DEFAULT_MESHES.get(device_type)
-    if cached is None or cached[0] is not group:
-        cached = (group, init_device_mesh(device_type, (dist.get_world_size(),)))
-        _DEFAULT_MESHES[device_type] = cached
-    return cached[1]
+    device_type = default_device_type()
+    meshes = _DEFAULT_MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
+    mesh = meshes.get(device_type)
+    if mesh is None:
+        mesh = meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return mesh
 
 
 # id(mesh) -> (weakref to that mesh object, what fsdp-rs keeps for it)

@@ -343,6 +343,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.unsharded_params = None
         self.managed.swap(self.sharded_params)
 
+    @property
+    def on_meta(self) -> bool:
+        """Some parameter is still on the meta device."""
+        return self.sharded.is_meta or any(
+            p._local_tensor.is_meta for p in self.managed.registered() if isinstance(p, DTensor)
+        )
+
     def _check_adopted(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
         """What ``adopt_registered`` can take: the shapes the group was planned
         for, this rank's shard of each, one dtype."""

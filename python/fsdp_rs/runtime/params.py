@@ -30,6 +30,7 @@ __all__ = [
     "get_grads",
     "is_none",
     "set_grads",
+    "state_of",
 ]
 
 _get_grad = operator.attrgetter("grad")
@@ -127,8 +128,18 @@ class ManagedParams:
         deque(map(operator.setitem, self.slot_dicts, self.slot_names, objects), maxlen=0)
 
 
+STATE_ATTR = "_fsdp_rs_state"
+
+
+def state_of(module: nn.Module):
+    """The fsdp-rs state ``fully_shard`` gave ``module`` itself, or None. Read
+    from the instance dict: a wrapper's ``__getattr__`` (``CheckpointWrapper``
+    forwards to the module it wraps) must not lend it the wrapped one's."""
+    return vars(module).get(STATE_ATTR)
+
+
 def _is_managed_elsewhere(module: nn.Module) -> bool:
-    return getattr(module, "_fsdp_rs_state", None) is not None
+    return state_of(module) is not None
 
 
 def collect_params(

@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.utils import _to_kwargs
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp_rs.runtime.agreement import GradientAgreement
 from fsdp_rs.runtime.backward_order import BackwardOrder
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
+from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
@@ -56,9 +58,15 @@ class Context:
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event = None
+        # Where the root moves forward inputs (FSDP2 moves them to its mesh's device).
+        self.device: torch.device | None = None
 
 
-_in_forward: list[FSDPState] = []
+def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
+    """Whether a tensor in the forward inputs is on another device than ``device``."""
+    args, kwargs = inputs
+    leaves = args if not kwargs and all(map(_is_tensor, args)) else tree_flatten(inputs)[0]
+    return any(isinstance(t, torch.Tensor) and t.device != device for t in leaves)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -121,15 +129,23 @@ class FSDPState:
         states: list[FSDPState] = []
         seen: set[int] = set()
         for root in self.modules:
-            for module in root.modules():
-                state = getattr(module, "_fsdp_rs_state", None)
-                if state is not None and id(state) not in seen:
-                    seen.add(id(state))
-                    states.append(state)
+            for name, module in root.named_modules():
+                state = state_of(module)
+                if state is None or id(state) in seen:
+                    continue
+                if state.context is not None:
+                    raise RuntimeError(
+                        f"fsdp_rs: {name or type(module).__name__} ran forward before the "
+                        f"fully_shard module {type(root).__name__} that contains it, so it "
+                        "became a root of its own; run the first forward through the "
+                        "outermost fully_shard module"
+                    )
+                seen.add(id(state))
+                states.append(state)
         for state in states:
             if state.group is not None:
                 state.group.adopt_registered()
-                if state.group.sharded.is_meta:
+                if state.group.on_meta:
                     raise RuntimeError(
                         "fsdp_rs: parameters are still on the meta device; materialize them "
                         "before forward: model.to_empty(device=...) then reset_parameters() on "
@@ -140,6 +156,8 @@ class FSDPState:
         for group in groups:
             group.streams = context.streams
             group.agreement = context.agreement
+        if groups:
+            context.device = (self.group or groups[0]).device
         context.is_last_backward = self.is_last_backward
         context.post_optim_event = self.post_optim_event
         for state in states:
@@ -153,15 +171,15 @@ class FSDPState:
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.context is None:
-            if _in_forward:
-                raise RuntimeError(
-                    "fsdp_rs: a nested fully_shard module ran forward before its root was "
-                    "initialized; call the root module's forward first"
-                )
             self._lazy_init()
-        _in_forward.append(self)
         if self.is_root:
             self._root_pre_forward()
+            device = self.context.device
+            if device is not None and _elsewhere((args, kwargs), device):
+                # As FSDP2 (and DDP): tensors anywhere in the inputs go to the
+                # parameters' device; inputs already there are passed as they are.
+                args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, device, False)
+                args, kwargs = args_tuple[0], kwargs_tuple[0]
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -191,7 +209,6 @@ class FSDPState:
         context.post_optim_event = None
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        _in_forward.remove(self)
         group = self.group
         if group is not None:
             self._modules_done += 1
