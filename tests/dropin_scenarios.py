@@ -17,6 +17,7 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -282,6 +283,167 @@ def load_assign(world_size: int, rank: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ meta init
+
+
+class Routed(Net):
+    """Net with a router of 2 outputs: at W >= 4 some ranks hold an empty shard
+    of it (dim 0 below the world size), as an 8-expert router at W >= 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.router(x).softmax(-1)[:, :1]
+
+
+def meta_init(world_size: int, rank: int) -> dict:
+    """The model built on the meta device, sharded, then to_empty and
+    reset_parameters: every rank (those with empty shards too) trains."""
+    out = {}
+    for lib in LIBS:
+        with torch.device("meta"):
+            model = Routed()
+        mesh = _mesh(world_size, False)
+        shard = LIBS[lib]
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        shard(model.router, mesh=mesh)
+        shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with _BUILD_LOCK:
+            torch.manual_seed(rank)
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {
+            "losses": losses,
+            "params": _shards(model),
+            "router_shard": list(model.router.weight.to_local().shape),
+        }
+    return out
+
+
+class Trunk(Net):
+    """torchtitan's shape: the model's forward ends at the norm; the loss runs
+    the output head in chunks afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def chunked_loss(world_size: int, rank: int) -> dict:
+    """One group over [norm, head] (torchtitan), built on meta; the forward runs
+    only norm, the loss calls head.unshard() and head per chunk."""
+    out = {}
+    for lib in LIBS:
+        with torch.device("meta"):
+            model = Trunk()
+        mesh = _mesh(world_size, False)
+        shard = LIBS[lib]
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        shard([model.norm, model.head], mesh=mesh)
+        shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with _BUILD_LOCK:
+            torch.manual_seed(rank)
+            for module in model.modules():
+                if isinstance(module, (nn.Linear, nn.LayerNorm)):
+                    module.reset_parameters()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, sharded_after_forward = [], []
+        for step in range(3):
+            hidden = model(_inputs(rank, step))
+            sharded_after_forward.append(isinstance(model.head.weight, DTensor))
+            model.head.unshard()
+            loss = sum(model.head(c).pow(2).mean() for c in hidden.chunk(3))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {
+            "losses": losses,
+            "params": _shards(model),
+            "sharded_after_forward": sharded_after_forward,
+        }
+    return out
+
+
+# ----------------------------------------------------------------- containers
+
+
+@dataclasses.dataclass
+class Carry:
+    hidden: torch.Tensor
+    extras: dict
+
+
+class Pair(NamedTuple):
+    hidden: torch.Tensor
+    skip: torch.Tensor
+
+
+class CarryBlock(Block):
+    """A block passing a dataclass (holding a dict) and a NamedTuple on."""
+
+    def forward(self, carry: Carry | torch.Tensor) -> Carry:
+        if isinstance(carry, torch.Tensor):
+            carry = Carry(carry, {"pair": Pair(carry, carry * 0.5)})
+        pair = carry.extras["pair"]
+        h = super().forward(carry.hidden) + pair.skip
+        return Carry(h, {"pair": Pair(h, torch.tanh(pair.hidden))})
+
+
+class CarryNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CarryBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        carry = x
+        for block in self.blocks:
+            carry = block(carry)
+        return self.head(carry.hidden + carry.extras["pair"].skip)
+
+
+def containers(world_size: int, rank: int, mp: bool = False) -> dict:
+    """Tensors inside dataclasses, dicts and NamedTuples between sharded modules
+    get their backward hooks (and casts, with mixed precision)."""
+    out = {}
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if mp else {}
+    for lib in LIBS:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = CarryNet()
+        model = _sharded(lib, model, _mesh(world_size, False), **kwargs)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(model)}
+    return out
+
+
 # ------------------------------------------------------------ mixed precision
 
 
@@ -395,6 +557,10 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "state_dict_after_forward": (state_dict_after_forward, {}),
     "load_assign": (load_assign, {}),
     "param_dtype_override": (param_dtype_override, {}),
+    "meta_init": (meta_init, {}),
+    "chunked_loss": (chunked_loss, {}),
+    "containers": (containers, {}),
+    "containers_bf16": (containers, {"mp": True}),
     "after_checkpoint": (second_model, {}),
     "after_exception": (second_model, {"first": "exception"}),
 }

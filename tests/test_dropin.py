@@ -121,6 +121,32 @@ def test_param_dtype_override_fn(results):
             _assert_same(rank, r["rs"], r["torch"])
 
 
+def test_meta_init_with_empty_shards(results):
+    """Built on meta, to_empty + reset_parameters: the ranks whose router shard
+    is empty (W = 4) train with the others, bit for bit like FSDP2."""
+    world_size = results[0]
+    for rank, r in _each_rank(results, "meta_init"):
+        _assert_same(rank, r["rs"], r["torch"])
+        assert r["rs"]["router_shard"][0] == (1 if world_size == 2 or rank < 2 else 0)
+
+
+@pytest.mark.parametrize("name", ["containers", "containers_bf16"])
+def test_dataclass_and_namedtuple_between_modules(results, name):
+    """Tensors in dataclasses, dicts and NamedTuples passed between sharded
+    modules get their backward hooks and casts: training equals FSDP2's."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+
+
+def test_group_whose_modules_did_not_all_run(results):
+    """torchtitan's default: fully_shard([norm, head]) built on meta, the forward
+    runs only norm, a chunked loss runs head: resharded at the root's
+    post-forward and trained bit for bit like FSDP2."""
+    for rank, r in _each_rank(results, "chunked_loss"):
+        _assert_same(rank, r["rs"], r["torch"])
+        assert r["rs"]["sharded_after_forward"] == [True] * 3
+
+
 # ------------------------------------------------------------ ranks as threads
 
 THREAD_SCENARIOS = ["hook_optim", "to_float64", "load_assign", "after_checkpoint"]

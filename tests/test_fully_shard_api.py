@@ -441,3 +441,35 @@ def test_root_inputs_on_the_device_pass_as_they_are(gloo1):
     cpu = torch.device("cpu")
     assert not _elsewhere(((batch,), {}), cpu)
     assert _elsewhere(((), {"y": [torch.empty(1, device="meta")]}), cpu)
+
+
+def test_containers_walk_and_rebuild_only_what_changed():
+    """[Note: Containers]: dataclasses, NamedTuples, dicts, lists are entered;
+    untouched containers come back as the same objects."""
+    import dataclasses as dc
+    from collections import OrderedDict, namedtuple
+
+    from fsdp_rs.runtime.containers import map_tensors, tensors_in
+
+    @dc.dataclass
+    class D:
+        a: torch.Tensor
+        b: list
+
+    NT = namedtuple("NT", "x y")
+    t1, t2, t3 = torch.ones(1), torch.zeros(2), torch.ones(3, dtype=torch.float64)
+    tree = (D(t1, [NT(t2, 5), {t3}]), OrderedDict(k=t3), "s")
+    assert [t.shape for t in tensors_in(tree)] == [(1,), (2,), (3,)]  # sets not entered
+    same = map_tensors(lambda t: t, tree)
+    assert same is tree
+    cast = map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, tree)
+    assert (
+        cast[0] is tree[0] and type(cast[1]) is OrderedDict and cast[1]["k"].dtype == torch.float32
+    )
+    doubled = map_tensors(lambda t: t * 2, tree)
+    assert isinstance(doubled[0], D) and isinstance(doubled[0].b[0], NT)
+    assert torch.equal(doubled[0].b[0].x, t2 * 2) and doubled[0].b[0].y == 5
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(RuntimeError, match="deeper than"):
+        tensors_in(loop)

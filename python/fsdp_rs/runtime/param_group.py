@@ -312,9 +312,14 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         if self.state == ShardedState.UNSHARDED:
             return  # the unsharded parameters are registered: nothing to adopt
         current = self.managed.registered()
-        buffer_ptr = self.sharded.untyped_storage().data_ptr()
+        # Device and address: an empty shard (dim 0 below the world size) has
+        # address 0 on every device, as a meta buffer has.
+        buffer = self.sharded
+        buffer_ptr = buffer.untyped_storage().data_ptr()
         if all(map(operator.is_, current, self.sharded_params)) and all(
-            p._local_tensor.untyped_storage().data_ptr() == buffer_ptr for p in current
+            p._local_tensor.device == buffer.device
+            and p._local_tensor.untyped_storage().data_ptr() == buffer_ptr
+            for p in current
         ):
             return
         for fqn, p in zip(self.managed.fqns, current, strict=True):

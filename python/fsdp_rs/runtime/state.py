@@ -25,21 +25,24 @@ fire on it ([Note: Backward order]).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp_rs.runtime.agreement import GradientAgreement
 from fsdp_rs.runtime.backward_order import BackwardOrder
+from fsdp_rs.runtime.containers import map_tensors, tensors_in
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Context:
@@ -65,8 +68,8 @@ class Context:
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
     """Whether a tensor in the forward inputs is on another device than ``device``."""
     args, kwargs = inputs
-    leaves = args if not kwargs and all(map(_is_tensor, args)) else tree_flatten(inputs)[0]
-    return any(isinstance(t, torch.Tensor) and t.device != device for t in leaves)
+    tensors = args if not kwargs and all(map(_is_tensor, args)) else tensors_in(inputs)
+    return any(t.device != device for t in tensors)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -97,7 +100,8 @@ class FSDPState:
         self.is_root = False
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None
-        self._modules_done = 0
+        # The modules of this state that ran forward since its group was unsharded.
+        self._modules_ran: set[int] = set()
         self._forward_index = -1
         self._call_hooked = False  # this module call registered a post-backward hook
         # Set before lazy init: the root's go to the context.
@@ -184,7 +188,7 @@ class FSDPState:
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
-        if group is not None and self._modules_done == 0:
+        if group is not None and not self._modules_ran:
             if torch.is_grad_enabled():
                 order = self.context.forward_order
                 self._forward_index = len(order)
@@ -211,49 +215,67 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         group = self.group
         if group is not None:
-            self._modules_done += 1
-            if self._modules_done == len(self.modules):
-                self._modules_done = 0
-                if group.reshard_after_forward is not False:
-                    group.reshard(after_forward=True)
+            ran = self._modules_ran
+            ran.add(id(module))
+            if len(ran) == len(self.modules):
+                ran.clear()
+                self._reshard_after_forward()
             output = self._register_pre_backward(output)
         if self.is_root:
+            self._complete_partial_forwards()
             self.context.streams.flush_all_gather()  # the last group's all-gather output
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
+    def _reshard_after_forward(self) -> None:
+        if self.group.reshard_after_forward is not False:
+            self.group.reshard(after_forward=True)
+
+    def _complete_partial_forwards(self) -> None:
+        """[Note: Groups whose modules did not all run] At the root's post-forward,
+        a group over several modules (``fully_shard([norm, output])``) of which
+        some did not run (a chunked loss runs ``output`` after the model's
+        forward) is done with this forward: resharded as after its last module,
+        as FSDP2 does. A later call of its modules (or ``unshard()``) gathers it
+        again; its backward hooks were registered by the modules that ran."""
+        for state in reversed(self.context.states):
+            if state is not self and state._modules_ran:
+                state._modules_ran.clear()
+                state._reshard_after_forward()
+
     # -------------------------------------------------------------- backward
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not kwargs and all(map(_is_tensor, args)):  # the common case: no pytree walk
-            flat, spec = list(args), None
-        else:
-            flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
+        plain = not kwargs and all(map(_is_tensor, args))  # the common case: no walk
+        if plain:
+            tensors = [t for t in args if t.requires_grad]
+        else:  # [Note: Containers]
+            tensors = tensors_in((args, kwargs), _REQUIRES_GRAD)
+        if not tensors:
             return args, kwargs
         self._call_hooked = True
-        if len(idx) == 1:
+        if len(tensors) == 1:
             # One input: the cheaper view pre-hook of [Note: Backward hooks].
-            (i,) = idx
-            flat[i] = flat[i].view_as(flat[i])
-            flat[i].grad_fn.register_prehook(self._post_backward_hook)
-            return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
-        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs, strict=True):
-            flat[i] = t
-        return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+            view = tensors[0].view_as(tensors[0])
+            view.grad_fn.register_prehook(self._post_backward_hook)
+            outs: tuple[torch.Tensor, ...] = (view,)
+        else:
+            outs = _PostBackward.apply(self, *tensors)
+        it = iter(outs)
+
+        def replace(t: torch.Tensor) -> torch.Tensor:
+            return next(it) if t.requires_grad else t
+
+        if plain:
+            return tuple(map(replace, args)), kwargs
+        return map_tensors(replace, (args, kwargs))
 
     def _register_pre_backward(self, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):  # the common case: no pytree walk
+        if isinstance(output, torch.Tensor):  # the common case: no walk
             tensors = [output] if output.requires_grad else []
-        else:
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+        else:  # [Note: Containers]
+            tensors = tensors_in(output, _REQUIRES_GRAD)
         if len(tensors) == 1:
             # One tensor's hook runs once per backward: what the multi-grad hook's
             # "any" mode adds (a lock and a per-backward flag) is not needed.
@@ -333,7 +355,7 @@ class FSDPState:
             if (group.reshard_after_backward or post_forward) and not keep:
                 group.reshard()
             group.post_backward_done = False
-            state._modules_done = 0
+            state._modules_ran.clear()
         context.agreement.resolve()  # [Note: Gradient agreement]
         context.streams.end_of_backward()
         if context.is_last_backward:
@@ -348,4 +370,4 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-    return tree_map_only(torch.Tensor, cast, tree)
+    return map_tensors(cast, tree)
