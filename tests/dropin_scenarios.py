@@ -24,7 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp_rs
@@ -385,6 +388,29 @@ def chunked_loss(world_size: int, rank: int) -> dict:
     return out
 
 
+def forward_ad(world_size: int, rank: int, reshard_after_forward: bool = False) -> dict:
+    """torch.func.jvp through the sharded model before any other forward, then
+    a training step."""
+    out = {}
+    for lib in LIBS:
+        model = _sharded(
+            lib, _net(), _mesh(world_size, False), reshard_after_forward=reshard_after_forward
+        )
+        x, v = _inputs(rank, 0), _inputs(rank, 1)
+        primal, tangent = torch.func.jvp(model, (x,), (v,))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss = _loss(model, x)
+        loss.backward()
+        optim.step()
+        out[lib] = {
+            "primal": primal.flatten().tolist(),
+            "tangent": tangent.flatten().tolist(),
+            "loss": loss.item(),
+            "params": _shards(model),
+        }
+    return out
+
+
 # ----------------------------------------------------------------- containers
 
 
@@ -441,6 +467,198 @@ def containers(world_size: int, rank: int, mp: bool = False) -> dict:
             optim.step()
             optim.zero_grad()
         out[lib] = {"losses": losses, "params": _shards(model)}
+    return out
+
+
+# ------------------------------------------------------------- FSDPModule API
+
+
+class CountingAllGather(AllGather):
+    """A user's custom all-gather, as FSDP2 takes it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+
+
+class CountingReduceScatter(ReduceScatter):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    fsdp_module = (fsdp_rs.FSDPModule, TorchFSDPModule)
+    return [m for m in model.modules() if isinstance(m, fsdp_module)]
+
+
+def _train(model: nn.Module, rank: int, steps: int = 3, **optim_kwargs) -> list[float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, **optim_kwargs)
+    losses = []
+    for step in range(steps):
+        loss = _loss(model, _inputs(rank, step))
+        loss.backward()
+        losses.append(loss.item())
+        optim.step()
+        optim.zero_grad()
+    return losses
+
+
+def api_setting(world_size: int, rank: int, setting: str) -> dict:
+    """Train with one FSDPModule setting applied to every module, as users call
+    them; the same training as FSDP2's with it."""
+    out = {}
+    for lib in LIBS:
+        model = _sharded(lib, _net(), _mesh(world_size, False))
+        extra: dict = {}
+        if setting == "custom_comms":
+            comms = []
+            for module in _fsdp_modules(model):
+                ag, rs = CountingAllGather(), CountingReduceScatter()
+                module.set_custom_all_gather(ag)
+                module.set_custom_reduce_scatter(rs)
+                comms.append((ag, rs))
+        elif setting == "divide_factor":
+            for module in _fsdp_modules(model):
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+                module.set_reduce_scatter_divide_factor(3.0 * world_size)
+        elif setting == "separate_rs_group":
+            model.set_separate_reduce_scatter_group()
+            model.set_reduce_scatter_max_input_buffers(2)
+        elif setting == "pg_alloc":
+            for module in _fsdp_modules(model):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+        losses = _train(model, rank)
+        if setting == "custom_comms":
+            extra["calls"] = [(ag.calls, rs.calls) for ag, rs in comms]
+        out[lib] = {"losses": losses, "params": _shards(model), **extra}
+    return out
+
+
+def symm_mem_on_cpu(world_size: int, rank: int) -> dict:
+    """set_symm_mem_for_comm on a CPU mesh: accepted, then the first collective
+    raises (no symmetric memory backend for the CPU), as with FSDP2."""
+    out = {}
+    for lib in LIBS:
+        model = _sharded(lib, _net(), _mesh(world_size, False))
+        for module in _fsdp_modules(model):
+            module.set_symm_mem_for_comm()
+        try:
+            model(_inputs(rank, 0))
+            raised = None
+        except Exception as e:
+            raised = type(e).__name__
+        out[lib] = {"raised": raised}
+    return out
+
+
+class Sometimes(Net):
+    """A head used on rank 0 only and a branch no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(DIM, OUT)
+        self.unused = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if dist.get_rank() == 0:
+            out = out + self.aux(x)
+        return out
+
+
+def unused_params(world_size: int, rank: int) -> dict:
+    """set_reduce_scatter_unused_params(True): every trainable parameter gets a
+    .grad (zeros where no rank used it), so AdamW's weight decay moves all."""
+    out = {}
+    for lib in LIBS:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = Sometimes()
+        mesh = _mesh(world_size, False)
+        shard = LIBS[lib]
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        model.set_reduce_scatter_unused_params(True)
+        _loss(model, _inputs(rank, 0)).backward()
+        has_grad = {n: p.grad is not None for n, p in model.named_parameters()}
+        model.zero_grad()
+        losses = _train(model, rank)
+        out[lib] = {"has_grad": has_grad, "losses": losses, "params": _shards(model)}
+    return out
+
+
+class Failing(Exception):
+    pass
+
+
+def reset_iter_state(world_size: int, rank: int, where: str) -> dict:
+    """An exception in the middle of a forward or a backward, caught; then
+    reset_iter_state() on the root and training goes on."""
+    out = {}
+    for lib in LIBS:
+        model = _sharded(lib, _net(), _mesh(world_size, False))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _train(model, rank, steps=1)
+        try:
+            if where == "forward":
+                handle = model.blocks[1].register_forward_hook(_raise)
+                try:
+                    model(_inputs(rank, 5))
+                finally:
+                    handle.remove()
+            else:
+                out_ = model(_inputs(rank, 5))
+                out_.register_hook(_raise)
+                out_.pow(2).mean().backward()
+        except Failing:
+            pass
+        model.reset_iter_state()
+        optim.zero_grad()
+        losses += _train(model, rank, steps=2)
+        out[lib] = {"losses": losses, "params": _shards(model)}
+    return out
+
+
+def _raise(*unused):
+    raise Failing()
+
+
+def shared_comm_ctx(world_size: int, rank: int) -> dict:
+    """Two roots (pipeline stages) sharing their communication context."""
+    out = {}
+    share = {"rs": fsdp_rs.share_comm_ctx, "torch": torch_share_comm_ctx}
+    for lib in LIBS:
+        mesh = _mesh(world_size, False)
+        first, second = _sharded(lib, _net(), mesh), _sharded(lib, _net(seed=1), mesh)
+        share[lib]([first, second])
+        optim = torch.optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = _inputs(rank, step)
+            loss = _loss(first, x) + _loss(second, x)
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(first) | _shards(second)}
     return out
 
 
@@ -559,6 +777,17 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "param_dtype_override": (param_dtype_override, {}),
     "meta_init": (meta_init, {}),
     "chunked_loss": (chunked_loss, {}),
+    "custom_comms": (api_setting, {"setting": "custom_comms"}),
+    "divide_factor": (api_setting, {"setting": "divide_factor"}),
+    "separate_rs_group": (api_setting, {"setting": "separate_rs_group"}),
+    "pg_alloc": (api_setting, {"setting": "pg_alloc"}),
+    "unused_params": (unused_params, {}),
+    "reset_in_forward": (reset_iter_state, {"where": "forward"}),
+    "reset_in_backward": (reset_iter_state, {"where": "backward"}),
+    "share_comm_ctx": (shared_comm_ctx, {}),
+    "symm_mem_cpu": (symm_mem_on_cpu, {}),
+    "jvp": (forward_ad, {}),
+    "jvp_reshard": (forward_ad, {"reshard_after_forward": True}),
     "containers": (containers, {}),
     "containers_bf16": (containers, {"mp": True}),
     "after_checkpoint": (second_model, {}),

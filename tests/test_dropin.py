@@ -147,6 +147,43 @@ def test_group_whose_modules_did_not_all_run(results):
         assert r["rs"]["sharded_after_forward"] == [True] * 3
 
 
+@pytest.mark.parametrize("name", ["jvp", "jvp_reshard"])
+def test_forward_mode_ad(results, name):
+    """torch.func.jvp through the sharded model (no forward before it), then a
+    step: primal, tangent and training equal FSDP2's."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "custom_comms",
+        "divide_factor",
+        "separate_rs_group",
+        "pg_alloc",
+        "unused_params",
+        "reset_in_forward",
+        "reset_in_backward",
+        "share_comm_ctx",
+        "symm_mem_cpu",
+    ],
+)
+def test_fsdp_module_api(results, name):
+    """FSDPModule's communication and recovery methods (custom comm objects,
+    divide factor, separate reduce-scatter group and buffers, process-group
+    allocation, unused parameters, reset_iter_state, share_comm_ctx, symmetric
+    memory on CPU): the same training (or error) as FSDP2 with them."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+        if name == "custom_comms":
+            assert all(ag > 0 and rs > 0 for ag, rs in r["rs"]["calls"])
+        if name == "unused_params":
+            assert all(r["rs"]["has_grad"].values())
+        if name == "symm_mem_cpu":
+            assert r["rs"]["raised"] == "RuntimeError"
+
+
 # ------------------------------------------------------------ ranks as threads
 
 THREAD_SCENARIOS = ["hook_optim", "to_float64", "load_assign", "after_checkpoint"]

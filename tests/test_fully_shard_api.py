@@ -256,10 +256,10 @@ def test_setters_reach_every_group(fake2):
     model = shard(mlp())
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False)
-    model.set_gradient_divide_factor(3.0)
+    model[0].set_gradient_divide_factor(3.0)  # this module's group only, as FSDP2
     groups = [m._state.group for m in (model[0], model[2])]
     assert all(not g.reduce_grads and not g.reshard_after_backward for g in groups)
-    assert all(g.gradient_divide_factor == 3.0 for g in groups)
+    assert [g.gradient_divide_factor for g in groups] == [3.0, None]
     model[0].set_modules_to_forward_prefetch([model[2]])
     with pytest.raises(ValueError, match="not a fully_shard module"):
         model[0].set_modules_to_backward_prefetch([nn.Linear(2, 2)])
@@ -473,3 +473,34 @@ def test_containers_walk_and_rebuild_only_what_changed():
     loop.append(loop)
     with pytest.raises(RuntimeError, match="deeper than"):
         tensors_in(loop)
+
+
+def test_comm_settings_bad_input(fake2):
+    model = shard(mlp())
+    with pytest.raises(TypeError, match="max_input_buffers must be an int"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match=">= 1"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    with pytest.raises(TypeError, match="AllGather comm object"):
+        model.set_custom_all_gather(object())
+    with pytest.raises(ValueError, match="fully_shard returned"):
+        fsdp_rs.share_comm_ctx([model, nn.Linear(2, 2)])
+
+    class Comm:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    model[0].set_custom_reduce_scatter(Comm())
+    with pytest.raises(RuntimeError, match="custom comm"):
+        model[0].set_allocate_memory_from_process_group_for_comm(True)
+
+
+def test_reset_iter_state_on_a_nested_module_raises(gloo1):
+    model = shard(mlp())
+    model(torch.randn(2, 5)).sum().backward()
+    with pytest.raises(RuntimeError, match="root fully_shard module"):
+        model[0].reset_iter_state()
+    model.reset_iter_state()

@@ -16,6 +16,7 @@ _RUNTIME = (
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 )
 
 __all__ = [

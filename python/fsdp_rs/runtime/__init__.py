@@ -8,11 +8,13 @@ factors), ``param_group`` (one planner call, buffers and parameters), ``unshard`
 ``gradients`` (gradient buffers and the post-backward reduction),
 ``streams`` (side streams, events and cross-stream lifetimes on accelerators),
 ``bundle`` (one group per dtype, driven as one),
-``state`` (module hooks, root and lazy init) and ``api`` (``fully_shard`` and
-``FSDPModule``).
+``state`` (module hooks, root and lazy init), ``containers`` (tensors in module
+inputs and outputs), ``comms`` and ``comm_api`` (custom collectives and the
+methods that set them) and ``api`` (``fully_shard`` and ``FSDPModule``).
 """
 
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_rs.runtime.comm_api import share_comm_ctx
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -23,4 +25,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

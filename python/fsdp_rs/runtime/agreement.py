@@ -34,6 +34,10 @@ class GradientAgreement:
         )
         self._noted.setdefault(key, []).append((group, had_grad, stream))
 
+    def discard(self) -> None:
+        """Forget the reductions noted in a backward that did not finish."""
+        self._noted = {}
+
     def resolve(self) -> None:
         """The all-reduces (every rank, every mesh that reduced), then the
         missing ``.grad``s where this rank lacked some gradient."""

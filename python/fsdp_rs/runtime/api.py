@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_rs.runtime.bundle import GroupBundle
+from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -195,7 +196,7 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
+class FSDPModule(CommSettings):
     """Mixin of every module passed to ``fully_shard`` (its class becomes
     ``FSDP<Cls>``)."""
 
@@ -288,12 +289,27 @@ class FSDPModule:
             self._state.context.post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        for group in self._groups(True):
+        """Divide this module's gradients by ``factor`` instead of the data-parallel
+        size (this module's group only, as FSDP2: call it per module)."""
+        for group in self._groups(False):
             group.gradient_divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """The older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        for group in self._groups(True):
+        """Reduce with sums only (dividing before and after), for this module's
+        group, as FSDP2: needed where the backend has no average (gloo)."""
+        for group in self._groups(False):
             group.force_sum_reduction = enable
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: on the root, wait for
+        the collectives in flight, reshard every group and clear the iteration's
+        bookkeeping, so the next iteration runs normally. The failed iteration's
+        gradients in flight (and those accumulated without sync) are dropped."""
+        self._state.reset_iter_state()
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call ``hook(gradients)`` on each reduce-scatter output (after HSDP's

@@ -66,6 +66,8 @@ class GroupBundle:
     reshard = _on_each("reshard")
     prepare_gradients = _on_each("prepare_gradients")
     adopt_registered = _on_each("adopt_registered")
+    discard_unshard_state = _on_each("discard_unshard_state")
+    discard_gradient_state = _on_each("discard_gradient_state")
 
     def post_backward(self) -> None:
         for group in self.groups:

@@ -146,6 +146,19 @@ class GradientReduction:
             self._versions = list(map(_VERSION, self._grad_aliases))
         self._placed = True
 
+    def discard_gradient_state(self) -> None:
+        """Drop what a failed iteration left (``reset_iter_state``): gradients
+        accumulated without sync or all-reduce, a reduction awaiting agreement,
+        the placed unsharded gradients. Assigned sharded ``.grad``s stay."""
+        self._accumulated = self._accumulated_buffer = None
+        self._partial_reduce = self._partial_had = None
+        self._unagreed = None
+        if self._placed and self.unsharded_params is not None:
+            clear_grads(self._unsharded_with_grad)
+        self._free_grad_buffer()
+        self._versions = None
+        self.post_backward_done = False
+
     def _free_grad_buffer(self) -> None:
         if self._placed:
             self.unsharded_grad.untyped_storage().resize_(0)
@@ -252,34 +265,58 @@ class GradientReduction:
         )
 
     def _reduce_scatter_input(self) -> torch.Tensor:
-        return torch.empty(
-            self.info.shard_size, self.plan.row_numel, dtype=self.reduce_dtype, device=self.device
-        )
+        rows, row = self.info.shard_size, self.plan.row_numel
+        comm = self.reduce_scatter_comm  # [Note: Comm objects]
+        if comm is None:
+            return torch.empty(rows, row, dtype=self.reduce_dtype, device=self.device)
+        flat = comm.allocate((rows * row,), dtype=self.reduce_dtype, device=self.device)
+        return flat.view(rows, row)
 
     def _reduce_scatter(self, rs_in: torch.Tensor, division, had_grad: list[bool]) -> None:
         """Reduce-scatter (+ all-reduce across replicas, + the user's hook), then
         the post-reduce, on the streams of [Note: Streams]."""
         info, plan, streams = self.info, self.plan, self.streams
         post = division.post
+        comm = self.reduce_scatter_comm
+        if self.reduce_scatter_unused_params:
+            # Every trainable parameter is reduced (zeros where no gradient) and
+            # gets a .grad, as FSDP2 does with set_reduce_scatter_unused_params.
+            had_grad = [True] * len(had_grad)
         # Read now only where it decides the output: with replicas the gradients
         # may stay partial ([No all-reduce]) and are assigned after the all-reduce.
         current = None if info.replicate_group is not None else get_grads(self._grad_params)
-        direct = current is not None and self._reduces_into_grad_buffer(post, had_grad, current)
+        direct = (
+            comm is None
+            and current is not None
+            and self._reduces_into_grad_buffer(post, had_grad, current)
+        )
         rs_stream = post_stream = None
         if streams.enabled:
             streams.begin_reduction(self)
             rs_stream = post_stream = streams.reduce_scatter
         with streams.on(rs_stream):
             if info.shard_size > 1:
-                if direct:
-                    output, views = self._new_grad_buffer()
-                else:
-                    output = torch.empty(
-                        plan.row_numel, dtype=self.reduce_dtype, device=self.device
+                group = self.reduce_scatter_group or info.shard_group
+                if comm is not None:
+                    output = comm.allocate(
+                        (plan.row_numel,), dtype=self.reduce_dtype, device=self.device
                     )
-                reduce_scatter(
-                    output, rs_in.view(-1), op=division.reduce_scatter_op, group=info.shard_group
-                )
+                    comm(
+                        output_tensor=output,
+                        input_tensor=rs_in.view(-1),
+                        group=group,
+                        op=division.reduce_scatter_op,
+                    )
+                else:
+                    if direct:
+                        output, views = self._new_grad_buffer()
+                    else:
+                        output = torch.empty(
+                            plan.row_numel, dtype=self.reduce_dtype, device=self.device
+                        )
+                    reduce_scatter(
+                        output, rs_in.view(-1), op=division.reduce_scatter_op, group=group
+                    )
             else:
                 output = rs_in[0]
                 if self.gradient_divide_factor is not None and post == 1.0:

@@ -133,6 +133,11 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        self.all_gather_comm = None  # [Note: Comm objects]
+        self.reduce_scatter_comm = None
+        self.reduce_scatter_group = None  # set_separate_reduce_scatter_group
+        self.reduce_scatter_unused_params = False
+        self.reduce_scatter_max_input_buffers = 1
         self.gradient_divide_factor: float | None = None
         self.all_reduce_hook = None
         self.force_sum_reduction = False

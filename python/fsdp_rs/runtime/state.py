@@ -107,6 +107,7 @@ class FSDPState:
         # Set before lazy init: the root's go to the context.
         self.is_last_backward = True
         self.post_optim_event = None
+        self.shared_streams: dict | None = None  # share_comm_ctx
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -156,7 +157,12 @@ class FSDPState:
                         "each module, or load a checkpoint"
                     )
         groups = [state.group for state in states if state.group is not None]
-        context = Context(states, CommStreams(groups[0].device) if groups else NO_STREAMS)
+        streams = NO_STREAMS
+        if groups:
+            streams = CommStreams(groups[0].device)
+            if self.shared_streams is not None:  # share_comm_ctx: the first root's
+                streams = self.shared_streams.setdefault(groups[0].device, streams)
+        context = Context(states, streams)
         for group in groups:
             group.streams = context.streams
             group.agreement = context.agreement
@@ -227,6 +233,28 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
+
+    def reset_iter_state(self) -> None:
+        """See ``FSDPModule.reset_iter_state``."""
+        context = self.context
+        if context is None:
+            return  # no forward ran yet: nothing to reset
+        if not self.is_root:
+            raise RuntimeError(
+                "fsdp_rs: reset_iter_state must be called on the root fully_shard module "
+                "(the one the first forward ran through), not on a module nested in it"
+            )
+        context.streams.end_of_backward()  # wait for the reductions in flight
+        for state in context.states:
+            state._modules_ran.clear()
+            if state.group is not None:
+                state.group.discard_unshard_state()
+                state.group.discard_gradient_state()
+        context.agreement.discard()
+        context.forward_order = []
+        context.backward_slots = []
+        context.backward_order = None
+        context.callback_queued = False
 
     def _reshard_after_forward(self) -> None:
         if self.group.reshard_after_forward is not False:

@@ -79,7 +79,8 @@ class CommStreams:
         self.enabled = module is not None
         # (tensors kept alive, event the all-gather streams wait for before release)
         self._all_gather_releases: list[tuple[tuple, Any]] = []
-        # (reduce-scatter input, its reduce-scatter's event): at most one in flight
+        # (reduce-scatter input, its reduce-scatter's event): one in flight, or the
+        # group's reduce_scatter_max_input_buffers
         self._reduce_scatter_inputs: list[tuple[torch.Tensor, Any]] = []
         self._last_post_reduce: dict[Any, Any] = {}  # stream -> its last post-reduce event
         # group -> (its reduce-scatter output read off the reduce-scatter stream,
@@ -165,15 +166,20 @@ class CommStreams:
         reduce-scatter input, and this group's previous output read off the
         reduce-scatter stream); then order the reduce-scatter stream after the
         compute stream's copy-in."""
-        self._release_reduce_scatter_inputs()
+        # set_reduce_scatter_max_input_buffers(n): up to n stay in flight, this one included.
+        self._release_reduce_scatter_inputs(keep=group.reduce_scatter_max_input_buffers - 1)
         kept = self._reduce_outputs.pop(group, None)
         if kept is not None:
             self.wait_current(kept[1])
         self.reduce_scatter.wait_stream(self.current())
 
-    def _release_reduce_scatter_inputs(self) -> None:
-        inputs, self._reduce_scatter_inputs = self._reduce_scatter_inputs, []
-        for _, event in inputs:
+    def _release_reduce_scatter_inputs(self, keep: int = 0) -> None:
+        """Release the oldest kept inputs until ``keep`` remain, once the compute
+        stream (which reuses their memory) waited for their reduce-scatters."""
+        inputs = self._reduce_scatter_inputs
+        release = max(len(inputs) - keep, 0)
+        self._reduce_scatter_inputs = inputs[release:]
+        for _, event in inputs[:release]:
             self.wait_current(event)
 
     def keep_reduce_scatter_input(self, rs_input: torch.Tensor, event: Any) -> None:

@@ -8,11 +8,21 @@ frees the unsharded buffer with one storage resize and registers the sharded
 parameters again; after forward with ``reshard_after_forward=int`` it keeps
 this rank's rows for the smaller all-gather in backward. Which streams each
 step runs on: [Note: Streams].
+
+[Note: Outside functorch]
+Inside a torch.func transform (``jvp``, ``vmap``, ``grad``) tensors made by a
+factory are wrapped for the transform, and a wrapper has no storage: the
+unsharded buffer (whose storage the parameters alias) could not be made or
+freed. The transitions run with functorch disabled, as FSDP2's do; the
+parameters they register are ordinary tensors the transform then lifts.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +69,19 @@ def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGr
     return mine
 
 
+def outside_functorch(method: Callable) -> Callable:
+    """Run ``method`` with functorch disabled; see [Note: Outside functorch]."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
 class Unsharding:
     """Mixed into ``FSDPParamGroup``: the SHARDED / UNSHARDED /
     SHARDED_POST_FORWARD transitions over the group's buffers.
@@ -82,6 +105,7 @@ class Unsharding:
         """An unshard was started and its copy-out not yet run."""
         return self._pending_unshard is not None
 
+    @outside_functorch
     def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
         """Start the all-gather (copy-in where a cast is needed, then the
         collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
@@ -116,9 +140,18 @@ class Unsharding:
                 # all-gather input as it is
             if ag_stream is not None:
                 ag_stream.wait_stream(copy_in_stream)
+        comm = self.all_gather_comm  # [Note: Comm objects]
         with streams.on(ag_stream):
             work = None
-            if info.shard_size > 1:
+            if comm is not None:
+                ag = self._all_gather_output() if ag is None else ag
+                work = comm(
+                    output_tensor=ag.view(-1),
+                    input_tensor=source.view(-1),
+                    group=group,
+                    async_op=async_op,
+                )
+            elif info.shard_size > 1:
                 ag = self._all_gather_output() if ag is None else ag
                 work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
             elif ag is None:
@@ -126,16 +159,22 @@ class Unsharding:
             event = streams.record(ag_stream)
         self._pending_unshard = (work if async_op else None, ag, event, source)
 
+    @outside_functorch
     def prefetch(self) -> None:
         """Start the unshard of a group about to run: on the side streams where
         there are streams, else with an asynchronous collective."""
         self.unshard(async_op=not self.streams.enabled, side_streams=True)
 
     def _all_gather_output(self) -> torch.Tensor:
-        return torch.empty(
-            self.info.shard_size, self.plan.row_numel, dtype=self.param_dtype, device=self.device
+        rows, row = self.info.shard_size, self.plan.row_numel
+        if self.all_gather_comm is None:
+            return torch.empty(rows, row, dtype=self.param_dtype, device=self.device)
+        flat = self.all_gather_comm.allocate(
+            (rows * row,), dtype=self.param_dtype, device=self.device
         )
+        return flat.view(rows, row)
 
+    @outside_functorch
     def wait_for_unshard(self, defer_release: bool = False) -> None:
         """Finish the unshard (start it first if needed): wait for the all-gather,
         copy out, register the unsharded parameters. ``defer_release``: in
@@ -165,6 +204,18 @@ class Unsharding:
 
     # --------------------------------------------------------------- reshard
 
+    def discard_unshard_state(self) -> None:
+        """``reset_iter_state``: finish an unshard in flight (its collective was
+        issued), then go back to SHARDED, dropping post-forward rows."""
+        pending, self._pending_unshard = self._pending_unshard, None
+        if pending is not None:
+            work, _, event, _ = pending
+            if work is not None:
+                work.wait()
+            self.streams.wait_current(event)
+        self.reshard()
+
+    @outside_functorch
     def reshard(self, after_forward: bool = False) -> None:
         if self._pending_unshard is not None:
             self.wait_for_unshard()
