@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -275,15 +276,19 @@ def test_bad_input(fake2):
         fully_shard(nn.Linear(2, 2), mesh="cpu")
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(torch.randn(4, 4).t())
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(NotImplementedError, match="not contiguous"):  # FSDP2's class
         fully_shard(lin)
     with pytest.raises(ValueError, match="must divide the shard world size 2"):
         fully_shard(nn.Linear(2, 2), reshard_after_forward=3)
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight
     fully_shard(a)
-    with pytest.raises(ValueError, match="shared with the fully_shard group of Linear"):
-        fully_shard(b)
+    fully_shard(b)  # as FSDP2: the shared parameter is refused at the first forward
+    tied = fully_shard(nn.Sequential(a, b))
+    with pytest.raises(ValueError, match="already managed by another fully_shard group"):
+        tied(torch.randn(2, 3))
+    with pytest.raises(AssertionError, match="mesh_dim_names"):  # ValueError too
+        fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 2)))
     mixed = nn.Linear(3, 3)
     with torch.device("meta"):
         mixed.bias = nn.Parameter(torch.empty(3))
@@ -504,3 +509,21 @@ def test_reset_iter_state_on_a_nested_module_raises(gloo1):
     with pytest.raises(RuntimeError, match="root fully_shard module"):
         model[0].reset_iter_state()
     model.reset_iter_state()
+
+
+def test_all_gather_extensions_are_refused(gloo1):
+    """FSDP2's all-gather extensions are not run by fsdp-rs: refused loudly at
+    fully_shard (on the parameter) or at the first forward (on its shard)."""
+
+    class Extended(torch.Tensor):
+        def fsdp_pre_all_gather(self, *args):
+            raise AssertionError("not reached")
+
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(lin.weight.detach().as_subclass(Extended))
+    with pytest.raises(NotImplementedError, match="all-gather extension"):
+        fully_shard(lin)
+    model = fully_shard(nn.Linear(4, 4))
+    model.weight._local_tensor.fsdp_pre_all_gather = lambda *args: None
+    with pytest.raises(NotImplementedError, match="all-gather extension"):
+        model(torch.randn(2, 4))

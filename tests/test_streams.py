@@ -43,6 +43,8 @@ CONFIGS: dict[str, dict] = {
     # a root parameter with no gradient here that another rank had one for: its
     # .grad is assigned after the agreement ([Note: Gradient agreement])
     "partial_grads": {"partial": True},
+    # set_reduce_scatter_max_input_buffers(2): two inputs in flight, released in order
+    "two_reduce_scatter_inputs": {"world": 4, "rs_buffers": 2},
 }
 
 
@@ -69,8 +71,11 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     # The CPU mesh stays explicit: the default one is on the GPU whenever one is
     # present, and the simulated device stands in for its streams here.
-    shape = (2, world // 2) if config.get("hsdp") else (world,)
-    kwargs["mesh"] = init_device_mesh("cpu", shape)
+    if config.get("hsdp"):
+        names = ("replicate", "shard")
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+    else:
+        kwargs["mesh"] = init_device_mesh("cpu", (world,))
     layers = [model[0], model[2], model[3]]
     if config.get("partial"):
         model.unused = nn.Parameter(torch.randn(3, 3))  # not read: no gradient on this rank
@@ -87,6 +92,8 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         for a, b in itertools.pairwise(layers):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
+    if config.get("rs_buffers"):
+        model.set_reduce_scatter_max_input_buffers(config["rs_buffers"])
     if config.get("hook"):
         hook_stream = device.Stream()
         for module in [*layers, model]:
@@ -172,7 +179,7 @@ def test_no_races(name):
         assert set(used) - ours - {streams.current()}, used
 
 
-def _drop_reduce_scatter_inputs(self: CommStreams) -> None:
+def _drop_reduce_scatter_inputs(self: CommStreams, keep: int = 0) -> None:
     self._reduce_scatter_inputs = []  # released without the wait
 
 

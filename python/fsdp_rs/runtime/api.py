@@ -124,6 +124,7 @@ def fully_shard(
         for part in parts:
             part.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    state.conflicts = managed.conflicts  # raised at lazy init, as FSDP2
     for m in modules:
         m._fsdp_rs_state = state
         cls = m.__class__
@@ -314,7 +315,11 @@ class FSDPModule(CommSettings):
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call ``hook(gradients)`` on each reduce-scatter output (after HSDP's
         all-reduce); without HSDP it runs on ``stream`` if given."""
-        for group in self._groups(False):
+        groups = self._groups(False)
+        if stream is not None and any(g.info.replicate_group is not None for g in groups):
+            # FSDP2's message, word for word: tests match it.
+            raise ValueError("stream cannot be set when using native HSDP")
+        for group in groups:
             group.all_reduce_hook = hook
             group.all_reduce_hook_stream = stream
 

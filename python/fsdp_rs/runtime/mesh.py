@@ -111,12 +111,24 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     return MeshInfo(mesh, *groups)
 
 
+class HSDPMeshError(ValueError, AssertionError):
+    """A ValueError that is also the AssertionError FSDP2 raises for the same
+    mesh, so that code written against FSDP2 catches it too."""
+
+
 def _mesh_groups(mesh: DeviceMesh) -> tuple:
     """(shard group, its size, this rank in it, replicate group or None, its size)."""
     if mesh.ndim == 1:
         group = mesh.get_group(0)
         return group, group.size(), group.rank(), None, 1
     if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise HSDPMeshError(
+                "fully_shard: a 2-D mesh (HSDP) needs mesh_dim_names: build it with "
+                "init_device_mesh(device_type, (replicas, shards), "
+                "mesh_dim_names=('replicate', 'shard')). Please init the 2D mesh for HSDP "
+                "with mesh_dim_names specified"
+            )
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
         return shard, shard.size(), shard.rank(), replicate, replicate.size()
     raise ValueError(

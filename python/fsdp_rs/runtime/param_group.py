@@ -95,6 +95,21 @@ def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> D
     return param
 
 
+_EXTENSION = "fsdp_pre_all_gather"
+
+
+def check_no_extension(fqn: str, t: torch.Tensor) -> None:
+    """FSDP2's all-gather extensions (a tensor subclass or a local shard with
+    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, e.g. float8 training)
+    are not implemented: refused loudly, never all-gathered as plain data."""
+    if hasattr(t, _EXTENSION):
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn} defines fsdp_pre_all_gather (an FSDP2 all-gather "
+            f"extension, {type(t).__name__}); fsdp-rs does not run all-gather extensions "
+            "yet: shard this module with torch's fully_shard, or use a plain tensor"
+        )
+
+
 class FSDPParamGroup(Unsharding, GradientReduction):
     def __init__(
         self,
@@ -204,9 +219,11 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             and all(map(torch.Tensor.dim, params))
             and all(map(torch.Tensor.is_floating_point, params))
             and all(map(torch.Tensor.is_contiguous, params))
+            and not any(map(hasattr, params, itertools.repeat(_EXTENSION)))
         ):
             return
         for fqn, p in zip(self.managed.fqns, params, strict=True):
+            check_no_extension(fqn, p)
             if isinstance(p, DTensor):
                 raise ValueError(
                     f"fully_shard: parameter {fqn} is already a DTensor (sharded by another "
@@ -223,7 +240,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     "parameters can be sharded: pass it in ignored_params"
                 )
             if not p.is_contiguous():
-                raise ValueError(
+                raise NotImplementedError(
                     f"fully_shard: parameter {fqn} is not contiguous (shape {tuple(p.shape)}, "
                     f"stride {p.stride()}); make it contiguous before sharding, e.g. "
                     "param.data = param.data.contiguous()"
@@ -352,6 +369,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._read_requires_grad()
         self.unsharded_params = None
         self.managed.swap(self.sharded_params)
+
+    def check_extensions(self) -> None:
+        """At lazy init: no all-gather extension was set on a local shard since
+        ``fully_shard`` (see ``check_no_extension``)."""
+        for fqn, p in zip(self.managed.fqns, self.managed.registered(), strict=True):
+            if isinstance(p, DTensor):
+                check_no_extension(fqn, p._local_tensor)
 
     @property
     def on_meta(self) -> bool:

@@ -150,7 +150,8 @@ def collect_params(
 
     A parameter's ``owner_attr`` attribute describes the group already owning
     it; a parameter shared with another group is an error (both groups would
-    shard and reduce it)."""
+    shard and reduce it), reported in ``conflicts`` and raised by the root's
+    lazy init, where FSDP2 raises it."""
     found = _Collected(ignored, owner_attr)
     seen_modules: set[int] = set()
     for root_index, root in enumerate(roots):
@@ -167,9 +168,11 @@ def collect_params(
             for child_name, child in reversed(list(module._modules.items())):
                 if child is not None and not _is_managed_elsewhere(child):
                     stack.append((child, f"{prefix}{child_name}."))
-    return ManagedParams(
+    managed = ManagedParams(
         found.params, found.fqns, found.slot_dicts, found.slot_names, found.slot_index
     )
+    managed.conflicts = found.conflicts
+    return managed
 
 
 class _Collected:
@@ -186,6 +189,7 @@ class _Collected:
         self.slot_names: list[str] = []
         self.slot_index: list[int] = []
         self.index: dict[int, int] = {}  # id(param) -> its position in params
+        self.conflicts: list[str] = []  # parameters another group owns
 
     def add_all(self, registry: dict, prefix: str) -> bool:
         """Add every registration of ``registry`` if none is None, ignored,
@@ -216,13 +220,14 @@ class _Collected:
         if i is None:
             owner = getattr(param, self.owner_attr, None)
             if owner is not None:
-                raise ValueError(
-                    f"fully_shard: parameter {prefix}{name} (shape "
-                    f"{tuple(param.shape)}) is shared with {owner}; a parameter can "
-                    "belong to one fully_shard group only: shard the modules that "
-                    "share it together (e.g. apply fully_shard to their common "
-                    "parent, or pass them as one list to fully_shard)"
+                self.conflicts.append(
+                    f"fully_shard: parameter {prefix}{name} (shape {tuple(param.shape)}) is "
+                    f"shared with a parameter already managed by another fully_shard group "
+                    f"({owner}); a parameter can belong to one group only: shard the modules "
+                    "that share it together (fully_shard([module_a, module_b]) or their "
+                    "common parent)"
                 )
+                return
             i = self.index[key] = len(self.params)
             self.params.append(param)
             self.fqns.append(prefix + name)

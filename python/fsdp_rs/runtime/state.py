@@ -108,6 +108,7 @@ class FSDPState:
         self.is_last_backward = True
         self.post_optim_event = None
         self.shared_streams: dict | None = None  # share_comm_ctx
+        self.conflicts: list[str] = []  # parameters owned by another group
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -147,6 +148,11 @@ class FSDPState:
                     )
                 seen.add(id(state))
                 states.append(state)
+        for state in states:
+            if state.conflicts:
+                raise ValueError(state.conflicts[0])
+            if state.group is not None:
+                state.group.check_extensions()
         for state in states:
             if state.group is not None:
                 state.group.adopt_registered()
