@@ -298,7 +298,7 @@ def test_bad_input(fake2):
         fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1))
     scalar = nn.Module()
     scalar.s = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="0-dim"):
+    with pytest.raises(ValueError, match="Change s to a 1D tensor"):
         fully_shard(scalar)
 
 
@@ -527,3 +527,20 @@ def test_all_gather_extensions_are_refused(gloo1):
     model.weight._local_tensor.fsdp_pre_all_gather = lambda *args: None
     with pytest.raises(NotImplementedError, match="all-gather extension"):
         model(torch.randn(2, 4))
+
+
+def test_misuse_raises_as_fsdp2(fake2):
+    """Where FSDP2 raises an AssertionError, fsdp-rs's ValueError is one too."""
+    import copy
+
+    model = shard(mlp())
+    with pytest.raises(AssertionError, match="can only be applied to a module once"):
+        fully_shard(model)
+    with pytest.raises(AssertionError, match="does not support deepcopy"):
+        copy.deepcopy(model)
+    with pytest.raises(ValueError, match="containers that do not implement forward"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+    with pytest.raises(ValueError, match="expects a 1D or 2D DeviceMesh"):
+        fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 2)))
+    sliced = model[:2]  # constructing the swapped class builds the original one
+    assert type(sliced) is nn.Sequential and not isinstance(sliced, FSDPModule)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
+from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -81,9 +82,16 @@ def fully_shard(
         )
     for m in modules:
         if isinstance(m, FSDPModule) or state_of(m) is not None:
-            raise ValueError(
+            raise FSDPUsageError(
                 f"fully_shard: {type(m).__name__} was already passed to fully_shard; apply it "
-                "once per module (bottom-up: submodules first, then their parent)"
+                "once per module (bottom-up: submodules first, then their parent). Each "
+                "distinct composable distributed API can only be applied to a module once."
+            )
+        if isinstance(m, nn.ModuleList | nn.ModuleDict):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} has none; shard its elements, or the module that "
+                "calls them"
             )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
@@ -202,11 +210,21 @@ class FSDPModule(CommSettings):
     ``FSDP<Cls>``)."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        # Direct construction builds the original class, as FSDP2 does.
-        orig = cls.__mro__[2]
+        # Direct construction (nn.Sequential slicing, say) builds the original
+        # class, as FSDP2 does: the first class of the MRO that is not ours.
+        orig = next(
+            c for c in cls.__mro__ if c not in _OWN_CLASSES and not issubclass(c, FSDPModule)
+        )
         self = orig.__new__(orig, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise FSDPUsageError(
+            f"FSDP does not support deepcopy: {type(self).__name__} holds sharded parameters "
+            "and communication state; deep-copy the model before fully_shard, or build a "
+            "second one"
+        )
 
     @property
     def _state(self) -> FSDPState:
@@ -336,6 +354,9 @@ class FSDPModule(CommSettings):
         for group in self._groups(True):
             group.adopt_registered()
         return result
+
+
+_OWN_CLASSES = frozenset(FSDPModule.__mro__)
 
 
 def _check_fsdp_modules(modules: list, method: str) -> None:

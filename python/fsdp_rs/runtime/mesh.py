@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
+from fsdp_rs.runtime.errors import FSDPUsageError
+
 __all__ = ["MeshInfo", "default_device_type", "default_mesh", "mesh_info", "per_mesh"]
 
 
@@ -111,11 +113,6 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     return MeshInfo(mesh, *groups)
 
 
-class HSDPMeshError(ValueError, AssertionError):
-    """A ValueError that is also the AssertionError FSDP2 raises for the same
-    mesh, so that code written against FSDP2 catches it too."""
-
-
 def _mesh_groups(mesh: DeviceMesh) -> tuple:
     """(shard group, its size, this rank in it, replicate group or None, its size)."""
     if mesh.ndim == 1:
@@ -123,7 +120,7 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple:
         return group, group.size(), group.rank(), None, 1
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
-            raise HSDPMeshError(
+            raise FSDPUsageError(
                 "fully_shard: a 2-D mesh (HSDP) needs mesh_dim_names: build it with "
                 "init_device_mesh(device_type, (replicas, shards), "
                 "mesh_dim_names=('replicate', 'shard')). Please init the 2D mesh for HSDP "
@@ -132,6 +129,6 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
         return shard, shard.size(), shard.rank(), replicate, replicate.size()
     raise ValueError(
-        f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D mesh "
-        "(replicate, shard) for HSDP"
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: use a 1-D mesh (FSDP) "
+        "or a 2-D mesh (replicate, shard) for HSDP"
     )

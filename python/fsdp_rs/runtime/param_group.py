@@ -231,8 +231,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 )
             if p.dim() == 0:
                 raise ValueError(
-                    f"fully_shard: parameter {fqn} is a 0-dim scalar; FSDP shards dim 0: "
-                    "make it shape (1,) or pass it in ignored_params"
+                    f"fully_shard doesn't support scalar parameters (FSDP shards dim 0). "
+                    f"Change {fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1. "
+                    f"(parameter {fqn}), or pass it in ignored_params"
                 )
             if not p.is_floating_point():
                 raise TypeError(

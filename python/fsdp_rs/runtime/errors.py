@@ -1,0 +1,12 @@
+"""Exception classes shared by the runtime."""
+
+from __future__ import annotations
+
+__all__ = ["FSDPUsageError"]
+
+
+class FSDPUsageError(ValueError, AssertionError):
+    """Misuse FSDP2 reports with an ``AssertionError`` (a second ``fully_shard``
+    of one module, a 2-D mesh without dim names, ``copy.deepcopy``): to fsdp-rs
+    a ``ValueError``, as all bad input, and an ``AssertionError`` too, so that
+    code written against FSDP2 catches it."""
