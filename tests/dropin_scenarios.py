@@ -551,6 +551,26 @@ def api_setting(world_size: int, rank: int, setting: str) -> dict:
     return out
 
 
+def checkpoint_wrapped(world_size: int, rank: int) -> dict:
+    """accelerate's activation checkpointing: each block's inner module and
+    then its CheckpointWrapper are passed to fully_shard (both are sharded,
+    as with FSDP2), then the root; training equals FSDP2's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    out = {}
+    for lib in LIBS:
+        model = _net()
+        model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
+        mesh = _mesh(world_size, False)
+        shard = LIBS[lib]
+        for wrapper in model.blocks:
+            shard(wrapper._checkpoint_wrapped_module, mesh=mesh)
+            shard(wrapper, mesh=mesh)
+        shard(model, mesh=mesh)
+        out[lib] = {"losses": _train(model, rank), "params": _shards(model)}
+    return out
+
+
 def symm_mem_on_cpu(world_size: int, rank: int) -> dict:
     """set_symm_mem_for_comm on a CPU mesh: accepted, then the first collective
     raises (no symmetric memory backend for the CPU), as with FSDP2."""
@@ -786,6 +806,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "reset_in_backward": (reset_iter_state, {"where": "backward"}),
     "share_comm_ctx": (shared_comm_ctx, {}),
     "symm_mem_cpu": (symm_mem_on_cpu, {}),
+    "checkpoint_wrapper": (checkpoint_wrapped, {}),
     "jvp": (forward_ad, {}),
     "jvp_reshard": (forward_ad, {"reshard_after_forward": True}),
     "containers": (containers, {}),

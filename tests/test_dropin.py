@@ -167,6 +167,7 @@ def test_forward_mode_ad(results, name):
         "reset_in_backward",
         "share_comm_ctx",
         "symm_mem_cpu",
+        "checkpoint_wrapper",
     ],
 )
 def test_fsdp_module_api(results, name):
