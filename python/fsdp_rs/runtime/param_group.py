@@ -242,9 +242,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 )
             if not p.is_contiguous():
                 raise NotImplementedError(
-                    f"fully_shard: parameter {fqn} is not contiguous (shape {tuple(p.shape)}, "
-                    f"stride {p.stride()}); make it contiguous before sharding, e.g. "
-                    "param.data = param.data.contiguous()"
+                    f"FSDP does not support non-contiguous parameters yet: parameter {fqn} "
+                    f"(shape {tuple(p.shape)}, stride {p.stride()}) is not contiguous; make it "
+                    "contiguous before sharding, e.g. param.data = param.data.contiguous()"
                 )
 
     @property
