@@ -11,27 +11,28 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, FLOAT_NAMES, is_copyable
+
 __all__ = [
-    "FLOAT_DTYPES",
+    "check_arithmetic",
+    "check_buffer",
     "check_divide_factor",
-    "check_float",
     "check_layout_tables",
     "check_same_device",
     "check_table",
     "check_tile_table",
 ]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-
-def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
-    """``t`` is a contiguous ``ndim``-D tensor of a supported float dtype."""
+def check_buffer(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    """``t`` is a contiguous ``ndim``-D tensor of a dtype a copy can move as raw
+    bits ([Note: Raw copies] in ``_dtypes.py``): any but the quantized ones."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
+    if not is_copyable(t.dtype):
         raise TypeError(
-            f"{op}: {name} has dtype {t.dtype}; supported are float32, bfloat16, float16 "
-            "and float64"
+            f"{op}: {name} has dtype {t.dtype}, which is not plain memory; supported are "
+            "every dtype but the quantized ones"
         )
     if t.dim() != ndim:
         layout = "[world_size, row_numel]" if ndim == 2 else "one flat buffer"
@@ -44,6 +45,32 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
             f"{op}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
             "pass the group buffer, not a strided view of it"
         )
+
+
+def check_arithmetic(
+    op: str,
+    src: tuple[str, torch.dtype],
+    dst: tuple[str, torch.dtype],
+    raw: str,
+    divide: bool = False,
+    accumulate: bool = False,
+) -> None:
+    """A copy from dtype ``src`` into ``dst`` (each with its argument's name)
+    that casts (the dtypes differ), divides or accumulates needs float dtypes
+    on both sides; one that does none of these moves raw bits of any dtype
+    ([Note: Raw copies]). ``raw`` says what to pass for a raw copy."""
+    cast = src[1] != dst[1]
+    if not (cast or divide or accumulate):
+        return
+    for name, dtype in (src, dst):
+        if dtype not in FLOAT_DTYPES:
+            steps = [f"casts {src[1]} to {dst[1]}"] if cast else []
+            steps += ["divides by divide_factor"] * divide + ["accumulates"] * accumulate
+            raise TypeError(
+                f"{op}: {name} has dtype {dtype}, but this call {' and '.join(steps)}, which "
+                f"is supported for {FLOAT_NAMES}; any other dtype is copied only bit for bit "
+                f"({raw})"
+            )
 
 
 def check_same_device(op: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:

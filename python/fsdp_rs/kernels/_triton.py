@@ -21,11 +21,16 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
+from fsdp_rs.kernels._dtypes import bits, bits_dtype, words
+
 __all__ = [
     "TL_DTYPES",
     "cdiv",
     "f32_reciprocal",
     "jit",
+    "kernel_dtype",
+    "kernel_view",
+    "loop_bound",
     "pointer_table",
     "require_triton",
     "tl",
@@ -73,6 +78,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a kernel reads or writes for ``t``, and the int64 words per element
+    (``WORDS``) it scales its element offsets by: a float tensor as it is, any
+    other as its same-width integer view, a 16-byte dtype as two int64 words
+    per element ([Note: Raw copies] in ``_dtypes.py``)."""
+    return bits(t, words_too=True), words(t.dtype)
+
+
 TL_DTYPES: dict[torch.dtype, Any] = (
     {}
     if tl is None
@@ -81,5 +94,42 @@ TL_DTYPES: dict[torch.dtype, Any] = (
         torch.bfloat16: tl.bfloat16,
         torch.float16: tl.float16,
         torch.float64: tl.float64,
+        torch.int8: tl.int8,
+        torch.int16: tl.int16,
+        torch.int32: tl.int32,
+        torch.int64: tl.int64,
     }
 )
+"""The Triton element type of each dtype a kernel sees (``kernel_view``'s)."""
+
+
+def kernel_dtype(dtype: torch.dtype) -> Any:
+    """The Triton element type a kernel sees for a ``dtype`` tensor (that of
+    its ``kernel_view``)."""
+    return TL_DTYPES[bits_dtype(dtype, words_too=True)]
+
+
+def _loop_bound_interpreted(x: Any) -> Any:
+    handle = getattr(x, "handle", None)
+    if handle is None:
+        return x
+    return int(np.asarray(handle.data).reshape(-1)[0])
+
+
+# [Note: Loop bounds in the interpreter]
+# ``loop_bound(x)`` is what a kernel's ``range`` loop takes for a scalar bound
+# ``x``. Compiled, it is the identity (inlined: the kernel's IR is the same as
+# with ``x`` itself). Triton's interpreter holds a scalar as a shape-(1,) NumPy
+# array, which Triton before 3.7 converts for ``range`` with ``int()``; NumPy
+# 2.4 refuses that for arrays of ndim > 0 (deprecated since NumPy 1.25).
+# Interpreted, ``loop_bound`` therefore returns the Python int itself.
+if triton is None:  # pragma: no cover - exercised only without Triton
+    loop_bound = _loop_bound_interpreted
+else:
+
+    @triton.jit
+    def loop_bound(x):
+        return x
+
+    if not isinstance(loop_bound, triton.runtime.JITFunction):  # TRITON_INTERPRET=1
+        loop_bound = _loop_bound_interpreted

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_rs.kernels._checks import check_float, check_same_device
-from fsdp_rs.kernels._triton import cdiv, jit, require_triton, tl
+from fsdp_rs.kernels._checks import check_arithmetic, check_buffer, check_same_device
+from fsdp_rs.kernels._dtypes import bits
+from fsdp_rs.kernels._triton import cdiv, jit, kernel_view, require_triton, tl
 
 __all__ = ["check_all_gather_copy_in", "torch_all_gather_copy_in", "triton_all_gather_copy_in"]
 
@@ -22,8 +23,14 @@ BLOCK = 4096
 def check_all_gather_copy_in(
     sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
 ) -> None:
-    check_float(OP, "sharded", sharded, 1)
-    check_float(OP, "all_gather_output", all_gather_output, 2)
+    check_buffer(OP, "sharded", sharded, 1)
+    check_buffer(OP, "all_gather_output", all_gather_output, 2)
+    check_arithmetic(
+        OP,
+        ("sharded", sharded.dtype),
+        ("all_gather_output", all_gather_output.dtype),
+        raw="allocate all_gather_output in the sharded buffer's dtype",
+    )
     check_same_device(OP, [("sharded", sharded), ("all_gather_output", all_gather_output)])
     world_size, row_numel = all_gather_output.shape
     if row_numel != sharded.numel():
@@ -42,6 +49,8 @@ def torch_all_gather_copy_in(
 ) -> None:
     """Reference: ``all_gather_output[rank] = sharded.to(param dtype)``."""
     check_all_gather_copy_in(sharded, all_gather_output, rank)
+    if sharded.dtype == all_gather_output.dtype:  # raw bits, any dtype
+        sharded, all_gather_output = bits(sharded), bits(all_gather_output)
     all_gather_output[rank].copy_(sharded)
 
 
@@ -60,9 +69,11 @@ def triton_all_gather_copy_in(
     """One launch: a flat (casting) copy into row ``rank``."""
     require_triton()
     check_all_gather_copy_in(sharded, all_gather_output, rank)
-    numel = sharded.numel()
-    if numel == 0:
+    if sharded.numel() == 0:
         return
+    # Casts are between float dtypes, which kernel_view keeps as they are.
+    (sharded, _), (all_gather_output, _) = map(kernel_view, (sharded, all_gather_output))
+    numel = sharded.numel()  # in int64 words for a 16-byte dtype
     _copy_in_kernel[(cdiv(numel, BLOCK),)](
         sharded, all_gather_output[rank], numel, BLOCK=BLOCK, num_warps=8
     )

@@ -12,6 +12,8 @@ The kernel runs one program per (tile, rank) over the planner's tile table
 ([Note: Tile table] in ``rust/planner/src/group.rs``); a tile never crosses a
 param, so one launch serves any number of params. Tiles over alignment gaps copy
 nothing. Per-param destinations are reached through a table of int64 addresses.
+The copy never casts, so it moves raw bits of any dtype ([Note: Raw copies] in
+``_dtypes.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ from collections.abc import Sequence
 import torch
 
 from fsdp_rs.kernels._checks import (
-    check_float,
+    check_buffer,
     check_layout_tables,
     check_same_device,
 )
 from fsdp_rs.kernels._cpu_index import copy_out_index
+from fsdp_rs.kernels._dtypes import bits
 from fsdp_rs.kernels._segments import segment_columns
-from fsdp_rs.kernels._triton import TL_DTYPES, jit, pointer_table, require_triton, tl
+from fsdp_rs.kernels._triton import (
+    TL_DTYPES,
+    jit,
+    kernel_view,
+    loop_bound,
+    pointer_table,
+    require_triton,
+    tl,
+)
 
 __all__ = [
     "check_all_gather_copy_out",
@@ -53,7 +64,7 @@ def check_all_gather_copy_out(
 
     With one param the two layouts coincide (its unsharded offset is 0), so a
     single ``out`` tensor always means the group buffer."""
-    check_float(OP, "all_gather_output", all_gather_output, 2)
+    check_buffer(OP, "all_gather_output", all_gather_output, 2)
     num_params = check_layout_tables(
         OP, row_offsets, unsharded_offsets, padded_numel, tile_param, tile_start, tile_len
     )
@@ -71,7 +82,7 @@ def check_all_gather_copy_out(
         ],
     )
     for i, t in enumerate(out):
-        check_float(OP, f"out[{i}]", t, 1)
+        check_buffer(OP, f"out[{i}]", t, 1)
         if t.dtype != all_gather_output.dtype or t.device != all_gather_output.device:
             raise ValueError(
                 f"{OP}: out[{i}] is {t.dtype} on {t.device} but all_gather_output is "
@@ -98,6 +109,7 @@ def torch_all_gather_copy_out(
         tile_param, tile_start, tile_len,
     )  # fmt: skip
     world_size, row_numel = all_gather_output.shape
+    all_gather_output, out = bits(all_gather_output), list(map(bits, out))
     if len(out) == 1:
         index = copy_out_index(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
@@ -144,28 +156,32 @@ def _copy_out_kernel(
     out_numel,
     PER_PARAM: tl.constexpr,
     DTYPE: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Offsets and counts below are in words of DTYPE: the tables' elements
+    # times WORDS ([Note: Raw copies]); row_numel, out_numel and dst_numel come
+    # in words.
     tile = tl.program_id(0)
     rank = tl.program_id(1).to(tl.int64)
     p = tl.load(tile_param + tile)
-    start = tl.load(tile_start + tile)
-    n = tl.load(padded_numel + p)
+    start = tl.load(tile_start + tile) * WORDS
+    n = tl.load(padded_numel + p) * WORDS
     # Tiles over the alignment gap after a param's n elements copy nothing.
-    count = tl.minimum(tl.load(tile_len + tile).to(tl.int64), n - start)
+    count = tl.minimum(tl.load(tile_len + tile).to(tl.int64) * WORDS, n - start)
     # The clamps below keep every access inside the buffers whatever the tables
     # hold (the launcher cannot check table contents without a synchronization).
-    row_offset = tl.load(row_offsets + p)
+    row_offset = tl.load(row_offsets + p) * WORDS
     count = tl.minimum(count, row_numel - row_offset - start)
     src_base = src + rank * row_numel + row_offset + start
     if PER_PARAM:
         count = tl.minimum(count, tl.load(dst_numel + p) - rank * n - start)
         dst_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE)) + rank * n + start
     else:
-        dst_offset = tl.load(unsharded_offsets + p) + rank * n + start
+        dst_offset = tl.load(unsharded_offsets + p) * WORDS + rank * n + start
         count = tl.minimum(count, out_numel - dst_offset)
         dst_base = dst + dst_offset
-    for i in range(0, count, BLOCK):
+    for i in range(0, loop_bound(count), BLOCK):
         offs = i + tl.arange(0, BLOCK)
         mask = offs < count
         tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
@@ -187,10 +203,12 @@ def triton_all_gather_copy_out(
         all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
         tile_param, tile_start, tile_len,
     )  # fmt: skip
-    world_size, row_numel = all_gather_output.shape
     num_tiles = tile_param.numel()
-    if num_tiles == 0 or world_size == 0:
+    if num_tiles == 0 or all_gather_output.shape[0] == 0:
         return
+    all_gather_output, words = kernel_view(all_gather_output)
+    out = [kernel_view(t)[0] for t in out]
+    world_size, row_numel = all_gather_output.shape  # row_numel in words
     per_param = len(out) > 1
     if per_param:
         dst_ptrs, dst_numel = pointer_table(
@@ -213,6 +231,7 @@ def triton_all_gather_copy_out(
         out[0].numel(),
         PER_PARAM=per_param,
         DTYPE=TL_DTYPES[all_gather_output.dtype],
+        WORDS=words,
         BLOCK=BLOCK,
         num_warps=4,
     )

@@ -5,7 +5,9 @@ The reduce-scatter output (reduce dtype) and the sharded gradient buffer
 gradient divide factor in the reduce dtype, cast to the original dtype, then
 assign or accumulate. Rounding follows torch step by step: the division result
 is rounded to the reduce dtype, the cast to the original dtype, and an
-accumulation adds in float32 and rounds once, as ``grad += new`` does.
+accumulation adds in float32 and rounds once, as ``grad += new`` does. A call
+that neither casts, divides nor accumulates moves raw bits, any dtype ([Note:
+Raw copies] in ``_dtypes.py``).
 
 [Note: Division by a scalar]
 torch divides a tensor by a Python scalar differently per device: CPU kernels
@@ -19,8 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_rs.kernels._checks import check_divide_factor, check_float, check_same_device
-from fsdp_rs.kernels._triton import cdiv, f32_reciprocal, jit, require_triton, tl
+from fsdp_rs.kernels._checks import (
+    check_arithmetic,
+    check_buffer,
+    check_divide_factor,
+    check_same_device,
+)
+from fsdp_rs.kernels._dtypes import bits
+from fsdp_rs.kernels._triton import cdiv, f32_reciprocal, jit, kernel_view, require_triton, tl
 
 __all__ = ["check_post_reduce", "torch_post_reduce", "triton_post_reduce"]
 
@@ -34,8 +42,8 @@ def check_post_reduce(
     divide_factor: float = 1.0,
     accumulate: bool = False,
 ) -> None:
-    check_float(OP, "reduce_scatter_output", reduce_scatter_output, 1)
-    check_float(OP, "sharded_grad", sharded_grad, 1)
+    check_buffer(OP, "reduce_scatter_output", reduce_scatter_output, 1)
+    check_buffer(OP, "sharded_grad", sharded_grad, 1)
     check_same_device(
         OP, [("reduce_scatter_output", reduce_scatter_output), ("sharded_grad", sharded_grad)]
     )
@@ -45,6 +53,14 @@ def check_post_reduce(
             f"sharded_grad has {sharded_grad.numel()}; both must hold plan.row_numel elements"
         )
     check_divide_factor(OP, divide_factor)
+    check_arithmetic(
+        OP,
+        ("reduce_scatter_output", reduce_scatter_output.dtype),
+        ("sharded_grad", sharded_grad.dtype),
+        raw="the same dtype on both sides, divide_factor=1.0, accumulate=False",
+        divide=divide_factor != 1.0,
+        accumulate=bool(accumulate),
+    )
 
 
 def torch_post_reduce(
@@ -55,6 +71,8 @@ def torch_post_reduce(
 ) -> None:
     """Reference: ``grad (+)= (output / divide_factor).to(orig dtype)``."""
     check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    if reduce_scatter_output.dtype == sharded_grad.dtype:  # raw bits when nothing else
+        reduce_scatter_output, sharded_grad = bits(reduce_scatter_output), bits(sharded_grad)
     reduced = reduce_scatter_output
     if divide_factor != 1.0:
         reduced = reduced / divide_factor
@@ -96,9 +114,13 @@ def triton_post_reduce(
     """One launch over the row; see [Note: Division by a scalar]."""
     require_triton()
     check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
-    numel = sharded_grad.numel()
-    if numel == 0:
+    if sharded_grad.numel() == 0:
         return
+    # Arithmetic is between float dtypes, which kernel_view keeps as they are.
+    (reduce_scatter_output, _), (sharded_grad, _) = map(
+        kernel_view, (reduce_scatter_output, sharded_grad)
+    )
+    numel = sharded_grad.numel()  # in int64 words for a 16-byte dtype
     inv = f32_reciprocal(divide_factor)
     _post_reduce_kernel[(cdiv(numel, BLOCK),)](
         reduce_scatter_output,

@@ -6,7 +6,9 @@ the padding rows past ``d0`` as zeros), then zeros over the alignment gap up to
 the next param. Params without a gradient (``None``) contribute zeros. The cast
 to the reduce dtype and an optional pre-division (FSDP2 pre-divides fp16
 gradients to avoid overflow) are fused in. The tiles of the planner's tile table
-cover every row exactly, so no separate zero-fill pass is needed.
+cover every row exactly, so no separate zero-fill pass is needed. Without a
+cast or a division the copy moves raw bits, any dtype ([Note: Raw copies] in
+``_dtypes.py``).
 
 [Note: Pointer tables]
 Autograd hands over one gradient tensor per param, each its own allocation, so
@@ -32,18 +34,21 @@ import numpy as np
 import torch
 
 from fsdp_rs.kernels._checks import (
-    FLOAT_DTYPES,
+    check_arithmetic,
+    check_buffer,
     check_divide_factor,
-    check_float,
     check_same_device,
     check_table,
     check_tile_table,
 )
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
 from fsdp_rs.kernels._triton import (
-    TL_DTYPES,
     f32_reciprocal,
     jit,
+    kernel_dtype,
+    kernel_view,
+    loop_bound,
     pointer_table,
     require_triton,
     tl,
@@ -69,8 +74,9 @@ def check_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
 ) -> None:
-    """O(1) checks; the per-gradient ones happen where the gradients are read."""
-    check_float(OP, "reduce_scatter_input", reduce_scatter_input, 2)
+    """O(1) checks; the per-gradient ones happen where the gradients are read
+    (the dtype of the first gradient is checked here)."""
+    check_buffer(OP, "reduce_scatter_input", reduce_scatter_input, 2)
     num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
     check_table(OP, "row_offsets", row_offsets, torch.int64, num_params)
     check_table(OP, "padded_numel", padded_numel, torch.int64, num_params)
@@ -89,6 +95,13 @@ def check_reduce_scatter_copy_in(
             "entry per param in plan order (None for a param without a gradient)"
         )
     check_divide_factor(OP, divide_factor)
+    check_arithmetic(
+        OP,
+        ("each gradient", _grad_dtype(grads) or reduce_scatter_input.dtype),
+        ("reduce_scatter_input", reduce_scatter_input.dtype),
+        raw="gradients of reduce_scatter_input's dtype, divide_factor=1.0",
+        divide=divide_factor != 1.0,
+    )
 
 
 def _check_grad(i: int, g: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
@@ -106,10 +119,10 @@ def _check_grad(i: int, g: torch.Tensor, dtype: torch.dtype, device: torch.devic
 def _grad_dtype(grads: Sequence[torch.Tensor | None]) -> torch.dtype | None:
     for g in grads:
         if g is not None:
-            if g.dtype not in FLOAT_DTYPES:
+            if not is_copyable(g.dtype):
                 raise TypeError(
-                    f"{OP}: gradients have dtype {g.dtype}; supported are float32, bfloat16 "
-                    "and float16"
+                    f"{OP}: gradients have dtype {g.dtype}, which is not plain memory; "
+                    "supported are every dtype but the quantized ones"
                 )
             return g.dtype
     return None
@@ -187,6 +200,11 @@ def torch_reduce_scatter_copy_in(
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
     index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+    if dtype == reduce_scatter_input.dtype and dtype not in FLOAT_DTYPES:
+        # raw bits: the same copies of integer views ([Note: Raw copies])
+        grads = [None if g is None else bits(g) for g in grads]
+        reduce_scatter_input = bits(reduce_scatter_input)
+        dtype = reduce_scatter_input.dtype
     if index is None:  # over the index budget
         _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
     else:
@@ -248,22 +266,26 @@ def _rs_copy_in_kernel(
     inv_factor,
     GRAD_DTYPE: tl.constexpr,
     HAS_DIV: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Offsets and counts in words: the tables' elements times WORDS ([Note: Raw
+    # copies]); row_numel and grad_numel come in words.
     tile = tl.program_id(0)
     rank = tl.program_id(1).to(tl.int64)
     p = tl.load(tile_param + tile)
-    start = tl.load(tile_start + tile)
-    n = tl.load(padded_numel + p)
-    row_offset = tl.load(row_offsets + p)
+    start = tl.load(tile_start + tile) * WORDS
+    n = tl.load(padded_numel + p) * WORDS
+    row_offset = tl.load(row_offsets + p) * WORDS
     # Clamped so no write leaves the row whatever the tables hold.
-    length = tl.minimum(tl.load(tile_len + tile).to(tl.int64), row_numel - row_offset - start)
+    tile_len_words = tl.load(tile_len + tile).to(tl.int64) * WORDS
+    length = tl.minimum(tile_len_words, row_numel - row_offset - start)
     # Elements that come from the gradient; the rest of the tile is zeros:
     # padding rows past d0, the alignment gap, or a missing gradient (numel 0).
     valid = tl.minimum(n, tl.load(grad_numel + p) - rank * n) - start
     src = tl.load(grad_ptrs + p).to(tl.pointer_type(GRAD_DTYPE)) + rank * n + start
     dst_base = dst + rank * row_numel + row_offset + start
-    for i in range(0, length, BLOCK):
+    for i in range(0, loop_bound(length), BLOCK):
         offs = i + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < valid, other=0.0)
         y = x.to(dst.dtype.element_ty)
@@ -288,12 +310,14 @@ def triton_reduce_scatter_copy_in(
         grads, reduce_scatter_input, row_offsets, padded_numel,
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
-    world_size, row_numel = reduce_scatter_input.shape
     num_tiles = tile_param.numel()
     if num_tiles == 0:
         return
     device = reduce_scatter_input.device
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
+    # Casts and divisions are between float dtypes, which kernel_view keeps.
+    reduce_scatter_input, words = kernel_view(reduce_scatter_input)
+    world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
     entries = []
     keep_alive = []  # contiguous copies must live until the launch is queued
     for i, g in enumerate(grads):
@@ -304,7 +328,7 @@ def triton_reduce_scatter_copy_in(
         if not g.is_contiguous():
             g = g.contiguous()
             keep_alive.append(g)
-        entries.append((g.data_ptr(), g.numel()))
+        entries.append((g.data_ptr(), g.numel() * words))
     grad_ptrs, grad_numel = pointer_table(entries, device)
     inv = f32_reciprocal(divide_factor)
     _rs_copy_in_kernel[(num_tiles, world_size)](
@@ -318,8 +342,9 @@ def triton_reduce_scatter_copy_in(
         tile_len,
         row_numel,
         inv,
-        GRAD_DTYPE=TL_DTYPES[dtype],
+        GRAD_DTYPE=kernel_dtype(dtype),
         HAS_DIV=divide_factor != 1.0,
+        WORDS=words,
         BLOCK=BLOCK,
         num_warps=4,
     )

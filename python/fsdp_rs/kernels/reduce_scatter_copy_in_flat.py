@@ -8,7 +8,8 @@ tensor laid out like the unsharded buffer: param ``p``'s ``W * n`` elements
 This is the inverse of the all-gather copy-out into the group buffer, and what
 the runtime passes when autograd accumulated the gradients into views of such
 a buffer ([Note: Pre-placed gradients] in ``runtime/gradients.py``): one
-tensor argument, nothing per param.
+tensor argument, nothing per param. Without a cast or a division the copy moves
+raw bits, any dtype ([Note: Raw copies] in ``_dtypes.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ from __future__ import annotations
 import torch
 
 from fsdp_rs.kernels._checks import (
+    check_arithmetic,
+    check_buffer,
     check_divide_factor,
-    check_float,
     check_layout_tables,
     check_same_device,
 )
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_buffer_index
-from fsdp_rs.kernels._triton import f32_reciprocal, jit, require_triton, tl
+from fsdp_rs.kernels._dtypes import bits
+from fsdp_rs.kernels._triton import (
+    f32_reciprocal,
+    jit,
+    kernel_view,
+    loop_bound,
+    require_triton,
+    tl,
+)
 
 __all__ = [
     "check_reduce_scatter_copy_in_flat",
@@ -47,8 +57,8 @@ def check_reduce_scatter_copy_in_flat(
 ) -> None:
     """O(1) checks (the buffer's size against the tables is checked where the
     tables are read: the CPU index build; the kernel clamps every read)."""
-    check_float(OP, "grad_buffer", grad_buffer, 1)
-    check_float(OP, "reduce_scatter_input", reduce_scatter_input, 2)
+    check_buffer(OP, "grad_buffer", grad_buffer, 1)
+    check_buffer(OP, "reduce_scatter_input", reduce_scatter_input, 2)
     check_layout_tables(
         OP, row_offsets, unsharded_offsets, padded_numel, tile_param, tile_start, tile_len
     )
@@ -62,6 +72,13 @@ def check_reduce_scatter_copy_in_flat(
         ],
     )
     check_divide_factor(OP, divide_factor)
+    check_arithmetic(
+        OP,
+        ("grad_buffer", grad_buffer.dtype),
+        ("reduce_scatter_input", reduce_scatter_input.dtype),
+        raw="grad_buffer of reduce_scatter_input's dtype, divide_factor=1.0",
+        divide=divide_factor != 1.0,
+    )
 
 
 def torch_reduce_scatter_copy_in_flat(
@@ -83,6 +100,8 @@ def torch_reduce_scatter_copy_in_flat(
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
+    if grad_buffer.dtype == reduce_scatter_input.dtype:  # raw bits ([Note: Raw copies])
+        grad_buffer, reduce_scatter_input = bits(grad_buffer), bits(reduce_scatter_input)
     index = reduce_scatter_buffer_index(
         row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
     )
@@ -131,23 +150,27 @@ def _rs_copy_in_flat_kernel(
     src_numel,
     inv_factor,
     HAS_DIV: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Offsets and counts in words: the tables' elements times WORDS ([Note: Raw
+    # copies]); row_numel and src_numel come in words.
     tile = tl.program_id(0)
     rank = tl.program_id(1).to(tl.int64)
     p = tl.load(tile_param + tile)
-    start = tl.load(tile_start + tile)
-    n = tl.load(padded_numel + p)
-    row_offset = tl.load(row_offsets + p)
+    start = tl.load(tile_start + tile) * WORDS
+    n = tl.load(padded_numel + p) * WORDS
+    row_offset = tl.load(row_offsets + p) * WORDS
     # Clamped so no write leaves the row whatever the tables hold.
-    length = tl.minimum(tl.load(tile_len + tile).to(tl.int64), row_numel - row_offset - start)
-    src_offset = tl.load(unsharded_offsets + p) + rank * n + start
+    tile_len_words = tl.load(tile_len + tile).to(tl.int64) * WORDS
+    length = tl.minimum(tile_len_words, row_numel - row_offset - start)
+    src_offset = tl.load(unsharded_offsets + p) * WORDS + rank * n + start
     # Elements read from the buffer; the rest of the tile (the alignment gap) is
     # zeros. Clamped to the buffer too.
     valid = tl.minimum(n - start, src_numel - src_offset)
     src_base = src + src_offset
     dst_base = dst + rank * row_numel + row_offset + start
-    for i in range(0, length, BLOCK):
+    for i in range(0, loop_bound(length), BLOCK):
         offs = i + tl.arange(0, BLOCK)
         x = tl.load(src_base + offs, mask=offs < valid, other=0.0)
         y = x.to(dst.dtype.element_ty)
@@ -173,10 +196,13 @@ def triton_reduce_scatter_copy_in_flat(
         grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
         tile_param, tile_start, tile_len, divide_factor,
     )  # fmt: skip
-    world_size, row_numel = reduce_scatter_input.shape
     num_tiles = tile_param.numel()
-    if num_tiles == 0 or world_size == 0:
+    if num_tiles == 0 or reduce_scatter_input.shape[0] == 0:
         return
+    # Casts and divisions are between float dtypes, which kernel_view keeps.
+    reduce_scatter_input, words = kernel_view(reduce_scatter_input)
+    grad_buffer, _ = kernel_view(grad_buffer)
+    world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
     inv = f32_reciprocal(divide_factor)
     _rs_copy_in_flat_kernel[(num_tiles, world_size)](
         grad_buffer,
@@ -191,6 +217,7 @@ def triton_reduce_scatter_copy_in_flat(
         grad_buffer.numel(),
         inv,
         HAS_DIV=divide_factor != 1.0,
+        WORDS=words,
         BLOCK=BLOCK,
         num_warps=4,
     )
