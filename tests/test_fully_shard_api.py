@@ -18,6 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_rs
 from fsdp_rs import FSDPModule, fully_shard
+from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.param_group import ShardedState
 
 
@@ -154,14 +155,19 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
+@pytest.mark.parametrize("preplace", ["always", "when_it_fits"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_gradients_match_autograd(gloo1, reshard_after_forward):
+def test_gradients_match_autograd(gloo1, reshard_after_forward, preplace, monkeypatch):
     """Every way gradients reach a group (see [Note: Pre-placed gradients]): a
     param without a gradient keeps ``.grad`` None; two contributions in one
     backward; accumulation over backwards with and without gradient sync;
     ``create_graph=True``, where autograd replaces the pre-placed ``.grad``.
     With one rank the first backward's gradients equal plain autograd's bit for
-    bit; accumulated ones differ by summation order only."""
+    bit; accumulated ones differ by summation order only. ``always`` forces the
+    pre-placed buffer where the memory rule ([Note: Reduction memory]) would
+    take autograd's gradients, so both paths stay covered."""
+    if preplace == "always":
+        monkeypatch.setattr(GradientReduction, "_preplace_fits", lambda self: True)
     reference = Branchy()
     model = Branchy()
     fully_shard(model.a, reshard_after_forward=reshard_after_forward)

@@ -3,9 +3,10 @@ unsharded gradients, and the post-backward that reduces them into the sharded
 ``.grad`` DTensors.
 
 [Note: Pre-placed gradients]
-On CPU, before a group's backward (its pre-backward hook), the group allocates
+Before a group's backward (its pre-backward hook), the group allocates
 a gradient buffer in the unsharded layout (one storage resize and one
-``zero_``) and points every unsharded parameter's ``.grad`` at its piece of it,
+``zero_``), where that costs no memory FSDP2 does not use ([Note: Reduction
+memory]), and points every unsharded parameter's ``.grad`` at its piece of it,
 an alias with its own version counter (as in [Note: Unsharded parameter
 versions]). Autograd then adds into the buffer in place instead of handing
 over a fresh tensor per parameter, and the post-backward reads the whole group
@@ -17,10 +18,37 @@ keep a ``.grad`` then is [Note: Gradient agreement]).
 Anything else (a ``.grad`` the user set or cleared in between, a gradient that
 arrived before the hook, ``create_graph=True`` replacing the alias) is noticed
 by identity and takes the per-gradient path: ``reduce_scatter_copy_in`` over
-the list autograd left. On CUDA that path is the default: in-place
-accumulation would add one kernel launch per parameter and a memset plus a
-read-modify-write of the buffer, where the pointer-table copy-in reads each
-gradient once ([Note: Pointer tables]).
+the list autograd left. With side streams (an accelerator) that path is the
+one taken, by the memory rule below and not by a device check: the
+reduce-scatter inputs stay in flight, so no buffer fits. It is also the faster
+one there: in-place accumulation would add one kernel launch per parameter and
+a memset plus a read-modify-write of the buffer, where the pointer-table
+copy-in reads each gradient once ([Note: Pointer tables]).
+
+[Note: Reduction memory]
+fsdp-rs holds no more memory than FSDP2 at any point of a step
+(``tests/test_memory.py``), so it frees at FSDP2's points or earlier:
+
+- the post-backward reshards before it reduces: the unsharded parameters are
+  freed before the reduce-scatter input is allocated;
+- the unsharded gradients (autograd's, or the pre-placed buffer) are dropped
+  once the reduce-scatter copy-in has read them, before the output exists;
+- a reduce-scatter input kept for a stream (on an accelerator) is released
+  before the next group allocates its own ([Note: Cross-stream lifetimes]);
+- [No sync] gradients already in the reduce dtype stay on the unsharded
+  parameters and autograd adds the next backward's into them in place, as
+  FSDP2 keeps them; in another dtype they are cast once and the next ones
+  added in place, as FSDP2's ``unsharded_accumulated_grad``.
+
+The pre-placed buffer holds a whole group's gradients (zeros where none
+arrived yet) while autograd computes each fresh one, so up to one group's
+unsharded gradient more than autograd's hand-over. FSDP2 keeps every
+reduce-scatter input until the next group's reduction, on every device;
+fsdp-rs on CPU drops it after the collective and records its size
+(``CommStreams.released_reduce_bytes``, reset at the end of backward). A group
+pre-places only when its buffer fits in that: the first group of a backward,
+one larger than the last reduced, and a backward without sync take autograd's
+gradients, as FSDP2 does.
 
 [Note: Sharded gradient buffer]
 The sharded ``.grad``s of a group are DTensor views of one buffer in the row
@@ -93,13 +121,21 @@ class GradientReduction:
     ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
 
     def _init_gradients(self) -> None:
-        self.preplace_grads = self.device.type == "cpu"
+        # On every device: whether a step pre-places is decided by memory
+        # (``_preplace_fits``), never by device type; with side streams the
+        # reduce-scatter inputs stay in flight and nothing is released to fit in,
+        # so an accelerator takes autograd's gradients (the per-gradient path
+        # CI runs under the stream simulator, tests/test_streams.py).
+        self.preplace_grads = True
         self._placed = False  # the aliases are the unsharded params' .grad now
         # The aliases' version counters when placed; only autograd's additions
         # move them, so the post-backward's reading serves the next placement.
         self._versions: list[int] | None = None
-        # [No sync] accumulated unsharded gradients in the reduce dtype: either a
-        # per-param list, or (buffer in the unsharded layout, had-gradient mask).
+        # [No sync] the unsharded parameters whose .grad keep the gradients so far
+        # (in the reduce dtype), or the accumulated unsharded gradients in the
+        # reduce dtype: a per-param list, or (buffer in the unsharded layout,
+        # had-gradient mask); see [Note: Reduction memory].
+        self._kept: list[torch.Tensor] | None = None
         self._accumulated: list[torch.Tensor | None] | None = None
         self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
         self._partial_reduce: torch.Tensor | None = None
@@ -115,6 +151,11 @@ class GradientReduction:
     def _make_grad_aliases(self) -> None:
         """The unsharded gradient buffer (storage freed) and one alias per
         parameter that takes gradients; see [Note: Pre-placed gradients]."""
+        if self._placed:  # [No sync] the old buffer keeps the gradients so far
+            had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
+            self._accumulated_buffer = (self.unsharded_grad, had)
+            self._placed = False
+            self._kept = None
         self.unsharded_grad = torch.empty(
             self.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
         )
@@ -138,13 +179,21 @@ class GradientReduction:
         params = self._unsharded_with_grad
         if not params or not all(map(is_none, get_grads(params))):
             return
-        storage = self.unsharded_grad.untyped_storage()
-        storage.resize_(self.unsharded_grad.numel() * self.unsharded_grad.element_size())
-        self.unsharded_grad.zero_()
+        if not self._preplace_fits():
+            return
+        grad = self.unsharded_grad
+        grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+        grad.zero_()
         set_grads(params, self._grad_aliases)
         if self._versions is None:  # else the post-backward's reading still holds
             self._versions = list(map(_VERSION, self._grad_aliases))
         self._placed = True
+
+    def _preplace_fits(self) -> bool:
+        """Whether the buffer fits in what FSDP2 would still hold here: the last
+        reduce-scatter input of this backward ([Note: Reduction memory])."""
+        grad = self.unsharded_grad
+        return grad.numel() * grad.element_size() <= self.streams.released_reduce_bytes
 
     def discard_gradient_state(self) -> None:
         """Drop what a failed iteration left (``reset_iter_state``): gradients
@@ -153,6 +202,9 @@ class GradientReduction:
         self._accumulated = self._accumulated_buffer = None
         self._partial_reduce = self._partial_had = None
         self._unagreed = None
+        if self._kept is not None:
+            clear_grads(self._kept)
+            self._kept = None
         if self._placed and self.unsharded_params is not None:
             clear_grads(self._unsharded_with_grad)
         self._free_grad_buffer()
@@ -173,18 +225,42 @@ class GradientReduction:
         if self.unsharded_params is None or not self._grad_index:
             return  # never unsharded, or nothing trainable: the same on every rank
         params = self._unsharded_with_grad
+        if self._kept is not None and self._kept is not params:
+            # [No sync] the unsharded parameters were made again since (adoption)
+            self._accumulated = get_grads(self._kept)
+            clear_grads(self._kept)
+            self._kept = None
         grads = get_grads(params)
-        clear_grads(params)
+        keep = not self.reduce_grads and self._keeps_on_params(grads)
+        if keep:
+            self._kept = params  # [No sync] as FSDP2: see [Note: Reduction memory]
+        else:
+            self._kept = None
+            clear_grads(params)
+        # Reshard first, as FSDP2 does: the unsharded parameters are freed before
+        # the reduction allocates its buffers ([Note: Reduction memory]). A
+        # pending (prefetched) unshard is left to the end of backward, which
+        # keeps it unless this is the last backward.
+        if self.reshard_after_backward and not self.unshard_pending:
+            self.reshard()
+        if keep:
+            return
         if torch.is_grad_enabled():  # backward(create_graph=True): record nothing
             with torch.no_grad():
                 self._reduce_grads(grads)
         else:  # autograd runs hooks without grad mode: spare the context (~3 us)
             self._reduce_grads(grads)
         self._free_grad_buffer()
-        # A pending (prefetched) unshard is left to the end of backward, which
-        # keeps it unless this is the last backward.
-        if self.reshard_after_backward and not self.unshard_pending:
-            self.reshard()
+
+    def _keeps_on_params(self, grads: list[torch.Tensor | None]) -> bool:
+        """[No sync] Whether this backward's gradients stay on the unsharded
+        parameters: nothing accumulated elsewhere, all in the reduce dtype."""
+        dtype = self.reduce_dtype
+        return (
+            self._accumulated is None
+            and self._accumulated_buffer is None
+            and all(g is None or g.dtype == dtype for g in grads)
+        )
 
     def _reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Reduce ``grads`` (what autograd left on the unsharded parameters): by
@@ -197,10 +273,11 @@ class GradientReduction:
             aliased = list(map(operator.is_, grads, self._grad_aliases))
         # Reduced even where this rank has no gradient: [Note: Gradient agreement].
         if aliased and all(aliased):
+            grads.clear()
             self._reduce_buffer(self.unsharded_grad, had)
         else:
             if aliased:  # some replaced (by the user, or create_graph=True)
-                grads = [
+                grads[:] = [
                     None if a and not h else g for g, a, h in zip(grads, aliased, had, strict=True)
                 ]
             self._reduce_list(grads)
@@ -213,46 +290,65 @@ class GradientReduction:
         if self._accumulated is not None:  # mixed with a per-gradient step: go per gradient
             self._reduce_list(self._buffer_as_list(buffer, had))
             return
-        if self._accumulated_buffer is not None:
+        if self._accumulated_buffer is not None:  # in place, as FSDP2's ``+=``
             previous, previous_had = self._accumulated_buffer
             self._accumulated_buffer = None
-            buffer = previous + buffer
+            previous.add_(buffer)
+            if buffer is self.unsharded_grad:  # read: [Note: Reduction memory]
+                self._free_grad_buffer()
+            buffer = previous
             had = list(map(operator.or_, had, previous_had))
         if not self.reduce_grads:
-            self._accumulated_buffer = (buffer.to(self.reduce_dtype, copy=True), had)
+            if buffer is self.unsharded_grad:  # freed next; FSDP2 keeps the reduce dtype
+                buffer = buffer.to(self.reduce_dtype, copy=True)
+            self._accumulated_buffer = (buffer, had)
             return
         division = self._division()
         rs_in = self._reduce_scatter_input()
         args = self.tables.reduce_scatter_flat_args()
         self.ops.reduce_scatter_copy_in_flat(buffer, rs_in, *args, division.pre)
+        # [Note: Reduction memory] the gradients are in the input now: free them.
+        if buffer is self.unsharded_grad:
+            self._free_grad_buffer()
+        del buffer
         self._reduce_scatter(rs_in, division, had)
 
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
+        """Reduce per gradient. Clears ``grads`` once they are read, which frees
+        them where it held the last references ([Note: Reduction memory])."""
         if self._accumulated_buffer is not None:
             self._accumulated = self._buffer_as_list(*self._accumulated_buffer)
             self._accumulated_buffer = None
-        if self._accumulated is not None:
-            dtype = self.reduce_dtype
-            grads = [
-                a if g is None else (g.to(dtype) if a is None else a + g)
+        dtype = self.reduce_dtype
+        if self._accumulated is not None:  # in place, as FSDP2's ``+=``
+            grads[:] = [
+                a if g is None else (g.to(dtype) if a is None else a.add_(g))
                 for a, g in zip(self._accumulated, grads, strict=True)
             ]
             self._accumulated = None
         if not self.reduce_grads:
-            # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does.
-            # A copy: a gradient may be an alias into the buffer freed next.
-            dtype = self.reduce_dtype
-            self._accumulated = [None if g is None else g.to(dtype, copy=True) for g in grads]
+            # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does;
+            # a copy of those that alias the gradient buffer (freed next).
+            placed = self.unsharded_grad.untyped_storage().data_ptr() if self._placed else None
+            self._accumulated = [
+                None if g is None else g.to(dtype, copy=g.untyped_storage().data_ptr() == placed)
+                for g in grads
+            ]
+            grads.clear()
             return
         division = self._division()
+        had = [g is not None for g in grads]
         full = [None] * len(self.shapes)
         for i, g in zip(self._grad_index, grads, strict=True):
             full[i] = g
+        grads.clear()
         rs_in = self._reduce_scatter_input()
         self.ops.reduce_scatter_copy_in(
             full, rs_in, *self.tables.reduce_scatter_args(), division.pre
         )
-        self._reduce_scatter(rs_in, division, [g is not None for g in grads])
+        full.clear()  # [Note: Reduction memory]
+        self._free_grad_buffer()
+        self._reduce_scatter(rs_in, division, had)
 
     def _division(self):
         info = self.info
@@ -265,6 +361,7 @@ class GradientReduction:
         )
 
     def _reduce_scatter_input(self) -> torch.Tensor:
+        self.streams.release_reduce_scatter_inputs(self)
         rows, row = self.info.shard_size, self.plan.row_numel
         comm = self.reduce_scatter_comm  # [Note: Comm objects]
         if comm is None:
@@ -325,8 +422,8 @@ class GradientReduction:
             if info.replicate_group is not None:
                 # [No all-reduce] the replicas' partial gradients are summed here
                 # until a backward all-reduces them (on this stream: it made them).
-                if self._partial_reduce is not None:
-                    output = output + self._partial_reduce
+                if self._partial_reduce is not None:  # in place, as FSDP2's ``+=``
+                    output.add_(self._partial_reduce)
                     had_grad = list(map(operator.or_, had_grad, self._partial_had))
                     self._partial_reduce = self._partial_had = None
                 if not self.all_reduce_grads:
@@ -360,7 +457,8 @@ class GradientReduction:
     def _end_reduction(self, rs_in, rs_in_event, post_stream, post_event, output) -> None:
         """Keep what the streams still use; see [Note: Cross-stream lifetimes]."""
         streams = self.streams
-        if not streams.enabled:
+        if not streams.enabled:  # dropped now: [Note: Reduction memory]
+            streams.released_reduce_bytes = rs_in.numel() * rs_in.element_size()
             return
         streams.keep_reduce_scatter_input(rs_in, rs_in_event)
         streams.note_post_reduce(post_stream, post_event)

@@ -38,8 +38,9 @@ until the allocating stream is ordered after the last use:
   kept for a post-forward reshard are cloned from it later, so it is released
   after the clone's event instead.
 - a reduce-scatter input (compute stream, read by the reduce-scatter stream):
-  released at the next group's reduction, or the end of backward, after the
-  compute stream waits for its reduce-scatter's event; one stays in flight.
+  released before the next group allocates its own, or at the end of backward,
+  after the compute stream waits for its reduce-scatter's event; one stays in
+  flight (as in FSDP2, which releases at the same point).
 - a reduce-scatter output read on the all-reduce stream: released at the group's
   next reduction or the end of backward, after the compute stream waited for
   its event (every reduce-scatter starts by waiting for the compute stream).
@@ -86,6 +87,10 @@ class CommStreams:
         # group -> (its reduce-scatter output read off the reduce-scatter stream,
         # the event of that last use)
         self._reduce_outputs: dict[Any, tuple[torch.Tensor, Any]] = {}
+        # Without streams: the bytes of this backward's last reduce-scatter input,
+        # dropped after its collective where FSDP2 keeps it until the next
+        # group's reduction ([Note: Reduction memory] in gradients.py).
+        self.released_reduce_bytes = 0
         if module is None:
             return
         self.copy_in = module.Stream(priority=-1)
@@ -160,14 +165,19 @@ class CommStreams:
 
     # ------------------------------------------------------------- reduction
 
+    def release_reduce_scatter_inputs(self, group: Any) -> None:
+        """Before ``group`` allocates its reduce-scatter input (where FSDP2 does):
+        release the oldest kept inputs, after the compute stream waits for their
+        reduce-scatters, so that with the new one at most
+        ``set_reduce_scatter_max_input_buffers(n)`` are in flight."""
+        if self.enabled:
+            self._release_reduce_scatter_inputs(keep=group.reduce_scatter_max_input_buffers - 1)
+
     def begin_reduction(self, group: Any) -> None:
-        """Before ``group``'s reduce-scatter: release what earlier reductions
-        still keep, after the compute stream waits for its last use (the previous
-        reduce-scatter input, and this group's previous output read off the
-        reduce-scatter stream); then order the reduce-scatter stream after the
-        compute stream's copy-in."""
-        # set_reduce_scatter_max_input_buffers(n): up to n stay in flight, this one included.
-        self._release_reduce_scatter_inputs(keep=group.reduce_scatter_max_input_buffers - 1)
+        """Before ``group``'s reduce-scatter: release its previous output read off
+        the reduce-scatter stream, after the compute stream waits for its last
+        use; then order the reduce-scatter stream after the compute stream's
+        copy-in."""
         kept = self._reduce_outputs.pop(group, None)
         if kept is not None:
             self.wait_current(kept[1])
@@ -196,6 +206,7 @@ class CommStreams:
         """The compute stream waits for every stream's last post-reduce (which
         covers the kept reduce-scatter outputs) and the reduce-scatter inputs
         still kept; all are then released."""
+        self.released_reduce_bytes = 0
         if not self.enabled:
             return
         for event in self._last_post_reduce.values():

@@ -9,6 +9,13 @@ parameters again; after forward with ``reshard_after_forward=int`` it keeps
 this rank's rows for the smaller all-gather in backward. Which streams each
 step runs on: [Note: Streams].
 
+Memory is freed where FSDP2 frees it or earlier: the all-gather output right
+after the copy-out, except in forward with ``reshard_after_forward=int``, where
+the post-forward rows are cloned from it at the reshard (FSDP2 keeps its
+forward all-gather outputs until the next group's copy-out); the post-forward
+rows once the collective read them (on CPU without a work object; else at the
+copy-out, as FSDP2).
+
 [Note: Outside functorch]
 Inside a torch.func transform (``jvp``, ``vmap``, ``grad``) tensors made by a
 factory are wrapped for the transform, and a wrapper has no storage: the
@@ -27,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
 from fsdp_rs.runtime.collectives import all_gather
 from fsdp_rs.runtime.mesh import MeshInfo, per_mesh
 
@@ -132,6 +140,10 @@ class Unsharding:
             with streams.on(copy_in_stream):
                 if source.device != self.device:  # CPU offload
                     source = source.to(self.device, non_blocking=True)
+                if source.dtype != self.param_dtype and source.dtype not in FLOAT_DTYPES:
+                    # float8 under a param_dtype: the copy kernels have no float8
+                    # arithmetic; torch casts it (as FSDP2 does), then no cast is left
+                    source = source.to(self.param_dtype)
                 if source.dtype != self.param_dtype:  # one launch: the cast
                     ag = self._all_gather_output()
                     self.ops.all_gather_copy_in(source, ag, info.shard_rank)
@@ -153,11 +165,19 @@ class Unsharding:
                 )
             elif info.shard_size > 1:
                 ag = self._all_gather_output() if ag is None else ag
-                work = all_gather(ag.view(-1), source.view(-1), group=group, async_op=async_op)
+                # bytes are bytes: a dtype the backend may not know (float8 or bool
+                # on gloo) goes as its same-width integers ([Note: Raw copies])
+                out, inp = bits(ag.view(-1)), bits(source.view(-1))
+                work = all_gather(out, inp, group=group, async_op=async_op)
             elif ag is None:
                 ag = source.view(1, -1)  # one rank: its row is the whole output
             event = streams.record(ag_stream)
-        self._pending_unshard = (work if async_op else None, ag, event, source)
+        work = work if async_op else None
+        if work is None and not streams.enabled:
+            # The collective is done with its input: drop the post-forward rows
+            # now, not at the copy-out (on streams they live until it, as in FSDP2).
+            source = None
+        self._pending_unshard = (work, ag, event, source)
 
     @outside_functorch
     def prefetch(self) -> None:
@@ -194,7 +214,9 @@ class Unsharding:
             work.wait()
         self._alloc_unsharded()
         self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
-        if self.post_forward_group is not None:
+        # Rows for a post-forward reshard: only outside backward, which reshards to
+        # SHARDED; in backward the all-gather output is freed now, as FSDP2 frees it.
+        if self.post_forward_group is not None and torch._C._current_graph_task_id() == -1:
             size = self.info.shard_size // self.post_forward_size
             first = (self.info.shard_rank % self.post_forward_size) * size
             self._ag_rows = (ag, first, size)
@@ -225,7 +247,7 @@ class Unsharding:
             self.state = ShardedState.SHARDED
         if self.state != ShardedState.UNSHARDED:
             return
-        keep_rows = after_forward and self.post_forward_group is not None
+        keep_rows = after_forward and self._ag_rows is not None
         if keep_rows:
             ag, first, size = self._ag_rows
             self._post_forward_rows = ag[first : first + size].clone()
