@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
+from fsdp_rs.kernels._dtypes import is_copyable
 from fsdp_rs.ops import EagerOps
 from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.layout import LayoutKey, group_layout
@@ -80,6 +81,7 @@ class _Specs:
 
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_dtensor = DTensor.__new__
 
@@ -176,7 +178,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         parameters come back in another dtype (``model.to(torch.float64)``)."""
         mp_policy = self.mp_policy
         self.orig_dtype = orig_dtype
-        self.param_dtype = mp_policy.param_dtype or orig_dtype
+        # As FSDP2: mixed precision casts floating-point parameters only (float8
+        # included); integer, bool and complex ones are gathered as they are.
+        cast = mp_policy.param_dtype if orig_dtype.is_floating_point else None
+        self.param_dtype = cast or orig_dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         # [Note: Shared group layouts]
         self.layout = group_layout(
@@ -217,7 +222,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         if (
             not any(map(isinstance, params, itertools.repeat(DTensor)))
             and all(map(torch.Tensor.dim, params))
-            and all(map(torch.Tensor.is_floating_point, params))
+            and all(map(is_copyable, map(_DTYPE, params)))
             and all(map(torch.Tensor.is_contiguous, params))
             and not any(map(hasattr, params, itertools.repeat(_EXTENSION)))
         ):
@@ -235,10 +240,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     f"Change {fqn.rpartition('.')[2]} to a 1D tensor with numel equal to 1. "
                     f"(parameter {fqn}), or pass it in ignored_params"
                 )
-            if not p.is_floating_point():
+            if not is_copyable(p.dtype):
                 raise TypeError(
-                    f"fully_shard: parameter {fqn} has dtype {p.dtype}; only floating-point "
-                    "parameters can be sharded: pass it in ignored_params"
+                    f"fully_shard: parameter {fqn} has the quantized dtype {p.dtype}, which "
+                    "is not plain memory and cannot be sharded: pass it in ignored_params"
                 )
             if not p.is_contiguous():
                 raise NotImplementedError(
