@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import sys
 import traceback
@@ -87,9 +88,15 @@ def train(world_size: int, rank: int, dtypes: tuple[str, ...], mp: bool = False)
         torch.manual_seed(0)
         model = nn.Sequential(Frozen(dtypes), Frozen(dtypes))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
-        for block in model:
-            shard(block, mesh=mesh, mp_policy=policy)
-        shard(model, mesh=mesh, mp_policy=policy)
+        try:
+            for block in model:
+                shard(block, mesh=mesh, mp_policy=policy)
+            shard(model, mesh=mesh, mp_policy=policy)
+        except RuntimeError as e:  # torch < 2.10 FSDP2 makes every shard require grad
+            if lib == "rs":
+                raise
+            out[lib] = {"unsupported": str(e)}
+            continue
         seen: dict[str, tuple[str, list[int]]] = {}
         for i, block in enumerate(model):
             block.register_forward_pre_hook(functools.partial(_record, seen, i))
@@ -158,6 +165,9 @@ def test_frozen_params_of_any_dtype_as_fsdp2(results, name):
         assert r is not None, f"rank {rank}: {name} did not run ({failure})"
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         rs, ref = r["rs"], r["torch"]
+        if "unsupported" in ref:
+            assert len(rs["losses"]) == 3 and all(map(math.isfinite, rs["losses"]))
+            pytest.skip(f"torch {torch.__version__} FSDP2 cannot shard these: {ref['unsupported']}")
         assert rs["seen"].keys() == ref["seen"].keys()
         for key in ref["seen"]:
             assert rs["seen"][key] == ref["seen"][key], f"rank {rank}: forward saw {key} differ"

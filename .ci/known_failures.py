@@ -1,0 +1,100 @@
+"""pytest plugin for the torch-range legs (``.ci/torch-range``): tests that fail on
+one torch version for a known, reported reason run as expected failures there,
+and test files that cannot be collected there are left out, so that a leg fails
+on anything new. Loaded with ``-p known_failures`` (``.ci/`` on ``PYTHONPATH``).
+
+Each entry names the torch versions it applies to (``torch.__version__`` up to
+the ``+`` local part, matched by prefix: ``"2.15"`` is every 2.15.x), the reason,
+and whether it is strict: a strict expected failure that passes fails the leg
+(XPASS(strict)), so whoever fixes the cause removes the entry. Failures that
+depend on rounding luck (which way a 1-ulp difference falls on this machine's
+CPU kernels) are not strict.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# [Note: Gloo ring chunks] gloo's reduce_scatter_tensor is an allreduce (ring) of a
+# clone of the whole input, then a copy of the rank's chunk. The ring splits the
+# buffer into numSegments = 2 * W segments (more for large buffers) of
+# roundUp(ceil(bytes / numSegments), element size) bytes, and sums each pair of
+# segments in one rank order. FSDP2's rows are the parameters' padded shards back
+# to back; where a row has an odd numel the ring's chunks are one element longer
+# than a row, so the first r elements of rank r's row are summed in rank r-1's
+# order. fsdp-rs's rows are 16-byte aligned (even), its chunks are its rows, and
+# those r elements can round 1 ulp apart from FSDP2's. Which way depends on the
+# gradients, so on the CPU kernels of each torch build.
+_GLOO_CHUNKS = (
+    "gloo ring chunks ([Note: Gloo ring chunks] in .ci/known_failures.py): FSDP2's "
+    "block rows have an odd numel (471 at W=4), so gloo sums their first elements "
+    "in another rank's order; fsdp-rs's aligned rows do not; 1 ulp on this build"
+)
+
+# nodeid -> (torch version prefixes, reason, strict)
+XFAIL: dict[str, tuple[tuple[str, ...], str, bool]] = {
+    "tests/test_dropin.py::test_dataclass_and_namedtuple_between_modules[W2-containers_bf16]": (
+        ("2.15",),
+        "torch 2.15 FSDP2 reduces gradients in the parameters' own dtype (fp32) when "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=None) (FSDPParam."
+        "unsharded_grad_dtype, autograd's grad_dtype); fsdp-rs still reduces in bf16",
+        True,
+    ),
+    "tests/test_dropin.py::test_dataclass_and_namedtuple_between_modules[W4-containers_bf16]": (
+        ("2.15",),
+        "as [W2-containers_bf16]: torch 2.15 FSDP2 reduces in fp32 with reduce_dtype=None",
+        True,
+    ),
+    "tests/test_memory.py::test_memory_not_above_fsdp2[no_reshard-W4]": (
+        ("2.15",),
+        "torch 2.15 FSDP2's peak is lower (8.4 MiB against fsdp-rs's 9.4 MiB)",
+        True,
+    ),
+    "tests/test_fully_shard.py::test_training_parity[W4-transformer_compiled_blocks]": (
+        ("2.9",),
+        _GLOO_CHUNKS,
+        False,
+    ),
+}
+
+# test file -> (torch version prefixes, reason): not collected there
+IGNORE: dict[str, tuple[tuple[str, ...], str]] = {
+    "tests/test_dropin.py": (
+        ("2.9",),
+        "tests/dropin_scenarios.py imports torch.distributed.fsdp.share_comm_ctx, "
+        "which torch 2.9 lacks (ImportError at collection)",
+    ),
+}
+
+TORCH = torch.__version__.split("+")[0]
+
+
+def _applies(versions: tuple[str, ...]) -> bool:
+    return any(TORCH == v or TORCH.startswith(v + ".") for v in versions)
+
+
+def pytest_report_header(config):
+    lines = [f"known failures on torch {TORCH} (.ci/known_failures.py):"]
+    for path, (versions, reason) in IGNORE.items():
+        if _applies(versions):
+            lines.append(f"    not collected: {path}: {reason}")
+    for nodeid, (versions, reason, strict) in XFAIL.items():
+        if _applies(versions):
+            lines.append(f"    xfail{' (strict)' if strict else ''}: {nodeid}")
+    return lines if len(lines) > 1 else [f"known failures on torch {TORCH}: none"]
+
+
+def pytest_ignore_collect(collection_path, config):
+    root = config.rootpath
+    for path, (versions, _) in IGNORE.items():
+        if _applies(versions) and collection_path == root / path:
+            return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        entry = XFAIL.get(item.nodeid)
+        if entry is not None and _applies(entry[0]):
+            item.add_marker(pytest.mark.xfail(reason=entry[1], strict=entry[2]))
