@@ -79,7 +79,7 @@ def pytest_report_header(config):
     for path, (versions, reason) in IGNORE.items():
         if _applies(versions):
             lines.append(f"    not collected: {path}: {reason}")
-    for nodeid, (versions, reason, strict) in XFAIL.items():
+    for nodeid, (versions, _reason, strict) in XFAIL.items():
         if _applies(versions):
             lines.append(f"    xfail{' (strict)' if strict else ''}: {nodeid}")
     return lines if len(lines) > 1 else [f"known failures on torch {TORCH}: none"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_scenarios(worker: Callable, world_size: int, names: list[str], out: Path) -> None:
-    """Run ``worker`` on ``world_size`` spawned ranks; raises if a rank did."""
-    mp.spawn(worker, args=(world_size, free_port(), names, str(out)), nprocs=world_size)
+def spawn_scenarios(
+    worker: Callable,
+    world_size: int,
+    names: list[str],
+    out: Path,
+    timeout_s: float | None = None,
+) -> None:
+    """Run ``worker`` on ``world_size`` spawned ranks; raises if a rank did, or
+    (killing the ranks) if they are not done after ``timeout_s`` seconds."""
+    args = (world_size, free_port(), names, str(out))
+    if timeout_s is None:
+        mp.spawn(worker, args=args, nprocs=world_size)
+        return
+    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the {world_size} ranks did not finish in {timeout_s} s")
 
 
 def read_ranks(out: Path, world_size: int) -> list[dict]:

@@ -113,6 +113,14 @@ class GroupPlan:
     plan_bytes: int
     """Bytes of all tables this plan owns."""
 
+    def fingerprint(self) -> int:
+        """A stable 64-bit digest (``0 <= x < 2**64``) of everything in the plan
+        that all ranks of the shard group compute alike: the config but the rank,
+        the buffer sizes and the rank-independent tables (padded sizes, strides,
+        offsets). Equal on every rank that planned the same group; see [Note:
+        Plan fingerprints] in ``rust/planner/src/fingerprint.rs``. Releases the
+        GIL."""
+
 @final
 class FlatPlan:
     """FSDP1 ``FlatParamHandle`` metadata for the same group."""

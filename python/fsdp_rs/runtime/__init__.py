@@ -8,9 +8,11 @@ factors), ``param_group`` (one planner call, buffers and parameters), ``unshard`
 ``gradients`` (gradient buffers and the post-backward reduction),
 ``streams`` (side streams, events and cross-stream lifetimes on accelerators),
 ``bundle`` (one group per dtype, driven as one),
-``state`` (module hooks, root and lazy init), ``containers`` (tensors in module
-inputs and outputs), ``comms`` and ``comm_api`` (custom collectives and the
-methods that set them) and ``api`` (``fully_shard`` and ``FSDPModule``).
+``state`` (module hooks, root and lazy init), ``plan_check`` (the ranks agree
+on what they planned, at lazy init), ``compile`` (what Dynamo must not trace),
+``containers`` (tensors in module inputs and outputs), ``comms`` and
+``comm_api`` (custom collectives and the methods that set them) and ``api``
+(``fully_shard`` and ``FSDPModule``).
 """
 
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method

@@ -377,8 +377,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        args, kwargs = state.pre_forward(module, args, kwargs)
         out = orig(*args, **kwargs)
-        return state._post_forward_hook(module, args, out)
+        return state.post_forward(module, args, out)
 
     setattr(module, method_name, wrapped)

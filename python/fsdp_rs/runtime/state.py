@@ -6,8 +6,9 @@ The first ``fully_shard`` module whose forward runs while no other one's forward
 is running is the root. At that first forward it collects every fsdp-rs state
 in its subtree into one ``Context``, decides ``reshard_after_forward=None``
 (False for the root, which is about to be used by backward anyway, True for the
-others), and adopts parameters replaced since ``fully_shard`` (``to_empty``,
-``load_state_dict(assign=True)``).
+others), adopts parameters replaced since ``fully_shard`` (``to_empty``,
+``load_state_dict(assign=True)``), and checks that every rank of its mesh
+planned the same groups ([Note: Cross-rank plan check]).
 
 [Note: Backward hooks]
 Before a module's backward, a multi-grad hook on its forward outputs unshards
@@ -35,9 +36,11 @@ from torch.distributed.utils import _to_kwargs
 
 from fsdp_rs.runtime.agreement import GradientAgreement
 from fsdp_rs.runtime.backward_order import BackwardOrder
+from fsdp_rs.runtime.compile import eager_hook
 from fsdp_rs.runtime.containers import map_tensors, tensors_in
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
+from fsdp_rs.runtime.plan_check import check_plans
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
@@ -109,9 +112,12 @@ class FSDPState:
         self.post_optim_event = None
         self.shared_streams: dict | None = None  # share_comm_ctx
         self.conflicts: list[str] = []  # parameters owned by another group
+        # [Note: Eager hooks under torch.compile]
+        self.pre_forward = eager_hook(self._pre_forward_hook)
+        self.post_forward = eager_hook(self._post_forward_hook)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False)
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward, prepend=False)
             # state_dict and load_state_dict see the sharded parameters; a load
             # that assigned new ones is adopted at once.
             module.register_state_dict_pre_hook(self._to_sharded)
@@ -182,6 +188,7 @@ class FSDPState:
             if state.group is not None:
                 raf = state.reshard_after_forward_arg
                 state.group.reshard_after_forward = (state is not self) if raf is None else raf
+        check_plans(self, states)  # [Note: Cross-rank plan check]
 
     # --------------------------------------------------------------- forward
 

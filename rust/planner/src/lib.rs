@@ -7,10 +7,13 @@
 //!   [Note: Tile table] in `group.rs`).
 //! - [`FlatPlan`]: FSDP1 flat-parameter metadata ([Note: FSDP1 flat sharding]).
 //! - [`peak_memory`]: peak bytes over a sequence of groups ([Note: Memory model]).
+//! - [`GroupPlan::fingerprint`]: a rank-independent digest of a plan, compared
+//!   across ranks before the first collective ([Note: Plan fingerprints]).
 
 pub mod alloc;
 mod arith;
 mod error;
+mod fingerprint;
 mod flat;
 mod group;
 mod memory;
@@ -18,6 +21,7 @@ mod parallel;
 mod shapes;
 
 pub use error::{PlanError, Result};
+pub use fingerprint::Fingerprint;
 pub use flat::{FlatPlan, NOT_IN_SHARD};
 pub use group::{BufferBytes, GroupConfig, GroupPlan, DEFAULT_ALIGNMENT, DEFAULT_TILE_NUMEL};
 pub use memory::{peak_memory, GroupBytes, PeakMemory};

@@ -133,6 +133,10 @@ plan_methods!(
     fn plan_bytes(&self) -> usize {
         self.plan.plan_bytes()
     }
+    /// The plan's rank-independent digest; see `_core.pyi`.
+    fn fingerprint(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.plan.fingerprint())
+    }
     fn __len__(&self) -> usize {
         self.plan.num_params()
     }

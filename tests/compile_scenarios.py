@@ -1,0 +1,275 @@
+"""``torch.compile`` of fully_shard models, run by spawned gloo ranks (CPU).
+
+Each scenario trains the same tied-weight transformer for ``STEPS`` steps three
+times: fsdp-rs eager (the reference), fsdp-rs compiled and torch FSDP2 compiled
+the same way. Compiled runs record, besides losses and final full parameters,
+what Dynamo did at the first step (graphs compiled, graph breaks, frames,
+operations captured) and whether any later step compiled again (it must not:
+the later steps run with ``error_on_recompile``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from fsdp_rs.demo import Block
+
+STEPS = 5
+LAYERS = 2
+
+# How users call compile on a model sharded per block and at the root.
+HOWS = ("model", "blocks", "model_method", "blocks_method")
+
+# name: options. ``how``: torch.compile(model) / torch.compile(block) per block /
+# model.compile() / block.compile(); ``backend``; ``dynamic`` (None: torch's
+# default); ``bf16``: MixedPrecisionPolicy(bfloat16, float32); ``raf``:
+# reshard_after_forward of every fully_shard call; ``ac``: torch.utils.checkpoint
+# inside each block; ``loop``: the model's forward loops over its blocks (Dynamo
+# then runs that frame eager after a break in it) or calls them one by one
+# (Dynamo resumes after each hook).
+BASE = {"dynamic": None, "bf16": False, "raf": True, "ac": False, "loop": True}
+_CONFIGS = {
+    # every way of calling compile with each backend; the other options rotate
+    "model_aot_eager": {"how": "model", "backend": "aot_eager"},
+    "model_eager_bf16_ac_noraf": {
+        "how": "model",
+        "backend": "eager",
+        "bf16": True,
+        "ac": True,
+        "raf": False,
+    },
+    "model_aot_eager_dynamic_unrolled_ac_noraf": {
+        "how": "model",
+        "backend": "aot_eager",
+        "dynamic": True,
+        "ac": True,
+        "loop": False,
+        "raf": False,
+    },
+    "model_method_aot_eager_bf16_dynamic_unrolled_ac": {
+        "how": "model_method",
+        "backend": "aot_eager",
+        "bf16": True,
+        "dynamic": True,
+        "ac": True,
+        "loop": False,
+    },
+    "model_method_eager_unrolled": {"how": "model_method", "backend": "eager", "loop": False},
+    "blocks_aot_eager_dynamic_unrolled_noraf": {
+        "how": "blocks",
+        "backend": "aot_eager",
+        "dynamic": True,
+        "loop": False,
+        "raf": False,
+    },
+    "blocks_eager_bf16_ac": {"how": "blocks", "backend": "eager", "bf16": True, "ac": True},
+    "blocks_method_aot_eager_bf16_ac": {
+        "how": "blocks_method",
+        "backend": "aot_eager",
+        "bf16": True,
+        "ac": True,
+    },
+    "blocks_method_eager_dynamic_noraf": {
+        "how": "blocks_method",
+        "backend": "eager",
+        "dynamic": True,
+        "raf": False,
+    },
+    # inductor: the model unrolled (a graph between every two hooks), and per block
+    "model_inductor_unrolled_ac": {
+        "how": "model",
+        "backend": "inductor",
+        "ac": True,
+        "loop": False,
+    },
+    "blocks_method_inductor_bf16_dynamic_noraf": {
+        "how": "blocks_method",
+        "backend": "inductor",
+        "bf16": True,
+        "dynamic": True,
+        "raf": False,
+    },
+}
+SCENARIOS: dict[str, dict[str, Any]] = {k: {**BASE, **v} for k, v in _CONFIGS.items()}
+# Run in the default test pass; the others are marked slow (still run in CI).
+FAST = (
+    "model_aot_eager",
+    "model_method_aot_eager_bf16_dynamic_unrolled_ac",
+    "blocks_eager_bf16_ac",
+    "model_inductor_unrolled_ac",
+)
+
+
+class _Block(Block):
+    def __init__(self, dim: int, heads: int, ac: bool) -> None:
+        super().__init__(dim, heads)
+        self.ac = ac
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ac:
+            return checkpoint(super().forward, x, use_reentrant=False)
+        return super().forward(x)
+
+
+class Model(nn.Module):
+    """The demo transformer (tied embedding and output), with activation
+    checkpointing inside the blocks and a forward that loops or not."""
+
+    def __init__(self, ac: bool, loop: bool, vocab: int = 37, dim: int = 12) -> None:
+        super().__init__()
+        self.loop = loop
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_Block(dim, 2, ac) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.loop:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            first, second = self.blocks
+            x = second(first(x))
+        return self.out(self.norm(x))
+
+
+def tokens(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 37, (4, 9), generator=g)
+
+
+def sharded_model(spec: dict, fs: Callable, mp_cls: type, world_size: int) -> Model:
+    torch.manual_seed(0)
+    model = Model(spec["ac"], spec["loop"])
+    kwargs: dict[str, Any] = {
+        "mesh": init_device_mesh("cpu", (world_size,)),
+        "reshard_after_forward": spec["raf"],
+    }
+    if spec["bf16"]:
+        kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fs(block, **kwargs)
+    fs(model, **kwargs)
+    return model
+
+
+def compile_model(model: Model, spec: dict, backend: Callable) -> nn.Module:
+    """``model`` compiled as ``spec['how']`` says; returns what to call."""
+    options = {"backend": backend, "dynamic": spec["dynamic"]}
+    how = spec["how"]
+    if how == "model":
+        return torch.compile(model, **options)
+    if how == "model_method":
+        model.compile(**options)
+    elif how == "blocks":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, **options)
+    elif how == "blocks_method":
+        for block in model.blocks:
+            block.compile(**options)
+    else:
+        raise ValueError(f"unknown way to compile: {how!r}")
+    return model
+
+
+class CountingBackend:
+    """A Dynamo backend that counts the graphs it is given and hands them to
+    the named one (``torch._dynamo.lookup_backend``)."""
+
+    def __init__(self, name: str) -> None:
+        self.inner = torch._dynamo.lookup_backend(name)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def _dynamo_counts(backend: CountingBackend | None) -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    # Breaks Dynamo resumed after, and those that made it run a frame eager (torch
+    # 2.9 files these under "inline_call" when they are in an inlined function).
+    categories = ("graph_break", "unimplemented", "inline_call")
+    reasons = [r for c in categories for r in counters[c].elements()]
+    return {
+        "graphs": backend.graphs if backend else 0,
+        "breaks": len(reasons),
+        "reasons": [r[:400] for r in reasons],
+        "frames": counters["frames"]["total"],
+        "captured": counters["stats"]["calls_captured"],
+    }
+
+
+def train(spec: dict, library: str, world_size: int, rank: int, compiled: bool) -> dict:
+    """Losses, final full parameters and, compiled, Dynamo's counts."""
+    from torch._dynamo.utils import counters
+
+    if library == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp_rs import MixedPrecisionPolicy, fully_shard
+    model = sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size)
+    torch._dynamo.reset()  # nothing from an earlier run: its cache entries, its counters
+    counters.clear()
+    backend = CountingBackend(spec["backend"]) if compiled else None
+    run = compile_model(model, spec, backend) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, first = [], {}
+    for step in range(STEPS):
+        # After the first step nothing may compile again.
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            loss = run(tokens(step, rank)).float().pow(2).mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 0:
+            first = _dynamo_counts(backend)
+    params = [p.full_tensor().float().tolist() for p in model.parameters()]
+    result = {"losses": losses, "params": params}
+    if compiled:
+        result["first_step"] = first
+        result["all_steps"] = _dynamo_counts(backend)
+    return result
+
+
+def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+    )
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    eager: dict[tuple, dict] = {}  # the reference, per model and sharding options
+    for name in names:
+        try:
+            spec = SCENARIOS[name]
+            key = (spec["bf16"], spec["raf"], spec["ac"], spec["loop"])
+            if key not in eager:
+                eager[key] = train(spec, "fsdp_rs", world_size, rank, compiled=False)
+            results[name] = {
+                "eager": eager[key],
+                "fsdp_rs": train(spec, "fsdp_rs", world_size, rank, compiled=True),
+                "torch": train(spec, "torch", world_size, rank, compiled=True),
+            }
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
