@@ -34,23 +34,6 @@ _GLOO_CHUNKS = (
 
 # nodeid -> (torch version prefixes, reason, strict)
 XFAIL: dict[str, tuple[tuple[str, ...], str, bool]] = {
-    "tests/test_dropin.py::test_dataclass_and_namedtuple_between_modules[W2-containers_bf16]": (
-        ("2.15",),
-        "torch 2.15 FSDP2 reduces gradients in the parameters' own dtype (fp32) when "
-        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=None) (FSDPParam."
-        "unsharded_grad_dtype, autograd's grad_dtype); fsdp-rs still reduces in bf16",
-        True,
-    ),
-    "tests/test_dropin.py::test_dataclass_and_namedtuple_between_modules[W4-containers_bf16]": (
-        ("2.15",),
-        "as [W2-containers_bf16]: torch 2.15 FSDP2 reduces in fp32 with reduce_dtype=None",
-        True,
-    ),
-    "tests/test_memory.py::test_memory_not_above_fsdp2[no_reshard-W4]": (
-        ("2.15",),
-        "torch 2.15 FSDP2's peak is lower (8.4 MiB against fsdp-rs's 9.4 MiB)",
-        True,
-    ),
     "tests/test_fully_shard.py::test_training_parity[W4-transformer_compiled_blocks]": (
         ("2.9",),
         _GLOO_CHUNKS,

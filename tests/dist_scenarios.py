@@ -72,6 +72,15 @@ SCENARIOS: dict[str, dict] = {
     "mlp_reshard_int": {"kwargs": {"reshard_after_forward": 2}, "min_world": 4},
     "transformer_tied": {"model": "transformer"},
     "transformer_bf16": {"model": "transformer", "mp": (torch.bfloat16, torch.float32)},
+    # reduce_dtype=None: FSDP2 reduces (and accumulates without sync) in param_dtype
+    # up to torch 2.14 and in the parameters' own dtype from 2.15 ([Note: Default
+    # reduce dtype]); weight-tied, so several contributions meet in one gradient
+    "transformer_bf16_default_reduce_accumulation": {
+        "model": "transformer",
+        "mp": (torch.bfloat16, None),
+        "accumulate": True,
+        "layout_differs": True,
+    },
     "mlp_cpu_offload": {"offload": True},
     "mlp_grad_accumulation": {"accumulate": True, "layout_differs": True},
     "mlp_explicit_prefetch": {"prefetch": True},

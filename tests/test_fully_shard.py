@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_scenarios import SCENARIOS, cuda_scenarios, cuda_worker, worker
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZES = (2, 4)
@@ -41,7 +42,7 @@ def cuda_results(tmp_path_factory):
     return world_size, read_ranks(out, world_size)
 
 
-def _check(per_rank, name, exact=True):
+def _check(per_rank, name, exact=True, tolerance=None):
     for rank, results in enumerate(per_rank):
         result = results[name]
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
@@ -52,7 +53,7 @@ def _check(per_rank, name, exact=True):
             assert f_losses == t_losses, f"rank {rank} losses differ"
             assert f_params == t_params, f"rank {rank} final parameters differ"
         else:
-            tight = {"rtol": 1e-6, "atol": 1e-7}
+            tight = tolerance or {"rtol": 1e-6, "atol": 1e-7}
             torch.testing.assert_close(torch.tensor(f_losses), torch.tensor(t_losses), **tight)
             for a, b in zip(f_params, t_params, strict=True):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **tight)
@@ -76,8 +77,15 @@ def test_training_parity(results, name):
     # ranks in an order that depends on its position in the buffer. Where
     # fsdp-rs's row layout differs from FSDP2's (FSDP2 leaves parameters without
     # gradients out of it), results agree to rounding, not bit for bit.
-    exact = world_size <= 2 or not SCENARIOS[name].get("layout_differs")
-    _check(per_rank, name, exact=exact)
+    spec = SCENARIOS[name]
+    exact = world_size <= 2 or not spec.get("layout_differs")
+    tolerance = None
+    mp = spec.get("mp")
+    if mp and mp[1] is None and not fsdp2_has_grad_dtype_policy():
+        # reduced in bf16 ([Note: Default reduce dtype]): where the summation order
+        # differs, results differ by bf16 roundings (4e-5 relative seen at W = 4)
+        tolerance = {"rtol": 2e-4, "atol": 1e-5}
+    _check(per_rank, name, exact=exact, tolerance=tolerance)
 
 
 @needs_cuda

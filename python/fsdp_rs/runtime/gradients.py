@@ -82,6 +82,18 @@ So no local observation decides a collective or an assignment alone:
   some rank had a gradient for. A rank that had every gradient pays one small
   collective per backward and no sync.
 
+[Note: Wider gradient accumulation]
+Where the installed torch's FSDP2 has a gradient dtype policy ([Note: Default
+reduce dtype]) and a group reduces in a wider floating dtype than it computes
+in (bf16 parameters, fp32 reduce), a backward without gradient sync must sum in
+the reduce dtype, as FSDP2 has autograd do it: at each pre-backward, an
+unsharded parameter with no ``.grad`` gets ``grad_dtype`` = the reduce dtype
+when the backward does not reduce, so autograd casts every contribution up and
+sums them there; otherwise ``grad_dtype`` is None, and autograd sums in the
+compute dtype (a synced backward: the copy-in casts once; or the contributions
+are added into the wider ``.grad`` kept from an earlier backward). On older
+torch, and for groups that do not widen, nothing is set.
+
 [Note: Post-accumulate-grad hooks]
 Autograd never accumulates into a sharded parameter (forward uses the unsharded
 one), so the hooks users register on it with
@@ -105,6 +117,7 @@ import torch.distributed as dist
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
 __all__ = ["GradientReduction"]
 
@@ -174,9 +187,13 @@ class GradientReduction:
     def prepare_gradients(self) -> None:
         """Point the unsharded ``.grad``s at a zeroed gradient buffer (before the
         group's backward); a no-op where pre-placement is off or not possible."""
-        if not self.preplace_grads or self._placed or self.unsharded_params is None:
+        if self.unsharded_params is None:
             return
         params = self._unsharded_with_grad
+        if self._widens_grads():
+            self._set_grad_dtypes(params)
+        if not self.preplace_grads or self._placed:
+            return
         if not params or not all(map(is_none, get_grads(params))):
             return
         if not self._preplace_fits():
@@ -188,6 +205,23 @@ class GradientReduction:
         if self._versions is None:  # else the post-backward's reading still holds
             self._versions = list(map(_VERSION, self._grad_aliases))
         self._placed = True
+
+    def _widens_grads(self) -> bool:
+        """[Note: Wider gradient accumulation] applies to this group."""
+        reduce, compute = self.reduce_dtype, self.param_dtype
+        return (
+            reduce.is_floating_point
+            and compute.is_floating_point
+            and reduce.itemsize > compute.itemsize
+            and fsdp2_has_grad_dtype_policy()
+        )
+
+    def _set_grad_dtypes(self, params: list[torch.Tensor]) -> None:
+        """Autograd's accumulation dtype per unsharded parameter for this backward
+        ([Note: Wider gradient accumulation])."""
+        wide = None if self.reduce_grads else self.reduce_dtype
+        for param in params:
+            param.grad_dtype = wide if param.grad is None else None
 
     def _preplace_fits(self) -> bool:
         """Whether the buffer fits in what FSDP2 would still hold here: the last
@@ -544,7 +578,19 @@ class GradientReduction:
             self._run_accumulate_hooks(wanted)
 
     def _run_accumulate_hooks(self, which: list[bool]) -> None:
-        """[Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
+        """[Note: Wider gradient accumulation]
+        Where the installed torch's FSDP2 has a gradient dtype policy ([Note: Default
+        reduce dtype]) and a group reduces in a wider floating dtype than it computes
+        in (bf16 parameters, fp32 reduce), a backward without gradient sync must sum in
+        the reduce dtype, as FSDP2 has autograd do it: at each pre-backward, an
+        unsharded parameter with no ``.grad`` gets ``grad_dtype`` = the reduce dtype
+        when the backward does not reduce, so autograd casts every contribution up and
+        sums them there; otherwise ``grad_dtype`` is None, and autograd sums in the
+        compute dtype (a synced backward: the copy-in casts once; or the contributions
+        are added into the wider ``.grad`` kept from an earlier backward). On older
+        torch, and for groups that do not widen, nothing is set.
+
+        [Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
         params = self._grad_params
         if not any(map(_ACC_HOOKS, params)):  # the usual case: one C-level pass
             return
