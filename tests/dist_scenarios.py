@@ -81,6 +81,7 @@ SCENARIOS: dict[str, dict] = {
         "accumulate": True,
         "layout_differs": True,
     },
+    "mlp_bf16_fp32_accumulation": {"mp": (torch.bfloat16, torch.float32), "accumulate": True},
     "mlp_cpu_offload": {"offload": True},
     "mlp_grad_accumulation": {"accumulate": True, "layout_differs": True},
     "mlp_explicit_prefetch": {"prefetch": True},

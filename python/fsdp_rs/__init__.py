@@ -23,6 +23,7 @@ __all__ = [
     "FlatPlan",
     "GroupPlan",
     "__version__",
+    "clip_grad_norm_",
     "peak_memory",
     "plan_flat",
     "plan_group",
@@ -36,4 +37,8 @@ def __getattr__(name: str):
         from fsdp_rs import runtime
 
         return getattr(runtime, name)
+    if name == "clip_grad_norm_":
+        from fsdp_rs import optim
+
+        return optim.clip_grad_norm_
     raise AttributeError(f"module 'fsdp_rs' has no attribute {name!r}")

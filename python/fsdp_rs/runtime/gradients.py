@@ -511,6 +511,7 @@ class GradientReduction:
         """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
         parameter, held weakly ([Note: Sharded gradient buffer])."""
         buffer = torch.empty_like(self.sharded)
+        buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
         local = self._local_views(buffer)
         shapes, strides = self.shapes, self.strides
         views = [self._sharded_view(local[i], shapes[i], strides[i]) for i in self._grad_index]
