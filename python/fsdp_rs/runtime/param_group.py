@@ -261,6 +261,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         buf = torch.zeros(self.plan.row_numel, dtype=self.orig_dtype, device=device)
         if self.pin_memory and device.type == "cpu":
             buf = buf.pin_memory()
+        buf._fsdp_rs_group = weakref.ref(self)  # [Note: Whole gradient buffers]
         return buf
 
     def _build_sharded(self, params: list[nn.Parameter]) -> None:

@@ -1,0 +1,422 @@
+"""``FlatOptimizer``: a torch optimizer stepped over runs of contiguous sharded
+parameters instead of per parameter.
+
+[Note: Flat optimizer]
+An fsdp-rs group keeps this rank's shards of its parameters back to back in one
+buffer (with zero padding between them), and after a reduction their ``.grad``s
+are views of one gradient buffer in the same layout ([Note: Whole gradient
+buffers]). An elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop,
+Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop) computes each element from the
+same element of the parameter, gradient and state and from per-parameter
+scalars (the step count, and what follows from it and the hyperparameters), so
+stepping a run of consecutive parameters as one flat tensor gives every element
+the same bits as stepping each parameter (measured: [Note: Measured facts] in
+DESIGN.md; CPU ``fused=True`` Adam and SGD are the exception, they round their
+vector body and scalar tail apart). The padding stays zero: a zero parameter
+with a zero gradient stays zero under each of them.
+
+A run is a maximal sequence of consecutive parameters of one group that are in
+one user parameter group, all got a gradient in the same gradient buffer (or a
+run of one, for a gradient the user replaced), and have the same step count: a
+parameter without a gradient is skipped as torch skips it (its state and step
+count unchanged), which splits the run there, and runs stay split until the
+step counts agree again. The math is torch's own: one instance of the user's
+optimizer class (the shadow) is stepped with the runs as its parameters and the
+user's groups' hyperparameters, so ``foreach``, ``fused``, ``capturable``,
+``maximize``, ``amsgrad``, ``weight_decay`` and the rest mean what they mean in
+torch, on any torch version.
+
+State: each elementwise state (``exp_avg``, ``momentum_buffer``, ...) lives in
+one flat buffer per group beside the parameters (made once, when torch first
+creates it for a run); a run's state is a slice of it, and ``self.state[p]``
+holds a DTensor view of it per parameter, so ``state_dict()`` /
+``load_state_dict()`` are torch's per-parameter format and interchange with a
+per-parameter optimizer (and, through it, DCP). A run's scalar states (``step``)
+are one tensor shared by the run's parameters' ``self.state`` entries;
+``state_dict()`` hands out a copy per parameter. Parameters no fsdp-rs group
+holds (plain tensors, ignored parameters) are stepped per parameter by the same
+shadow.
+
+Cost per step: O(groups) Python when every group's gradients are whole buffers
+and the runs did not change, plus one numpy pass over each group's parameters;
+O(parameters) Python only in steps where some parameter's gradient is missing
+or replaced, and once per parameter when its state is first made.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_rs.runtime.grad_buffers import ShardedBuffer, sharded_buffers
+
+__all__ = ["ELEMENTWISE", "FlatOptimizer"]
+
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+#: The torch optimizers whose update is elementwise (see [Note: Flat optimizer]).
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+@dataclass(eq=False)
+class _Run:
+    buf: _GroupState
+    first: int  # parameter indices [first, last] of the group
+    last: int
+    param: torch.Tensor  # the slice of the sharded buffer
+    state: dict = field(default_factory=dict)
+    fresh: bool = False  # no state yet: torch makes it at the run's first step
+
+    @property
+    def span(self) -> tuple[int, int]:
+        sb = self.buf.sb
+        return sb.offsets[self.first], sb.offsets[self.last] + sb.numels[self.last]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+class _GroupState:
+    """An optimizer's view of one fsdp-rs group: step counts, flat states, runs."""
+
+    def __init__(self, sb: ShardedBuffer) -> None:
+        self.sb = sb
+        n = len(sb.params)
+        self.counts = np.zeros(n, dtype=np.int64)  # steps taken, per parameter
+        self.user_group = np.full(n, -1, dtype=np.int64)  # -1: not in this optimizer
+        self.flat: dict[str, torch.Tensor] = {}  # elementwise state buffers
+        self.runs: list[_Run] = []
+        self.signature: bytes | None = None  # of the runs' boundaries
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` (an elementwise ``torch.optim`` optimizer) over the flat
+    shards of fsdp-rs groups, in runs of contiguous parameters ([Note: Flat
+    optimizer]); bit for bit the same updates as ``optimizer_class(params,
+    **kwargs)`` stepping the sharded parameters one by one.
+
+    ``FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)``; ``params``
+    may be parameter groups (dicts), as for any torch optimizer. It is a
+    ``torch.optim.Optimizer``: ``param_groups`` (edits, LR schedulers),
+    ``zero_grad``, ``add_param_group``, step hooks, ``state_dict`` /
+    ``load_state_dict`` in torch's per-parameter format."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        **kwargs: Any,
+    ) -> None:
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"FlatOptimizer: optimizer_class must be a torch.optim.Optimizer class "
+                f"(e.g. torch.optim.AdamW), got {optimizer_class!r}"
+            )
+        if optimizer_class not in ELEMENTWISE:
+            name = optimizer_class.__name__
+            raise TypeError(
+                f"FlatOptimizer: {name} is not one of the elementwise optimizers it can "
+                f"step over flat shards ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
+                f"{name} needs each parameter's whole tensor, so use it per parameter: "
+                f"{name}(model.parameters(), ...)"
+            )
+        # torch validates the hyperparameters and fills the groups' defaults
+        shadow = optimizer_class(params, **kwargs)
+        self._cls = optimizer_class
+        self._shadow = shadow
+        self._groups: dict[int, _GroupState] = {}
+        self._layout_key: tuple | None = None
+        super().__init__([dict(g) for g in shadow.param_groups], dict(shadow.defaults))
+        for attr in ("_step_supports_amp_scaling",):
+            if hasattr(shadow, attr):
+                setattr(self, attr, getattr(shadow, attr))
+        if shadow.state:  # made at construction (Adagrad): into the flat buffers
+            for p, st in shadow.state.items():
+                self.state[p] = st
+            shadow.state = defaultdict(dict)
+            self._import_state()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        cls = self.__dict__.get("_cls")
+        if cls is None:  # unpickling: the class's own fix-ups come later
+            super().__setstate__(state)
+        else:  # the class's own upgrades of old state dicts (e.g. step as a tensor)
+            cls.__setstate__(self, state)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._layout_key = None
+
+    # ------------------------------------------------------------------ layout
+
+    def _layout(self) -> tuple[list[_GroupState], list[list[torch.Tensor]]]:
+        """The groups' states (refreshed when the param groups changed or a group
+        moved its buffer) and, per user group, the parameters no group holds."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if key == self._layout_key and all(gs.sb.current() for gs in self._groups.values()):
+            return list(self._groups.values()), self._others
+        found, _ = sharded_buffers([p for g in self.param_groups for p in g["params"]])
+        groups: dict[int, _GroupState] = {}
+        for sb in found:
+            old = next((gs for gs in self._groups.values() if _same(gs.sb.params, sb.params)), None)
+            gs = _GroupState(sb)
+            if old is not None:  # same parameters (a moved buffer, or new groups)
+                gs.counts, gs.flat = old.counts, old.flat
+            groups[id(sb.sharded)] = gs
+        index = {id(p): (gs, i) for gs in groups.values() for i, p in enumerate(gs.sb.params)}
+        others: list[list[torch.Tensor]] = []
+        for ug, group in enumerate(self.param_groups):
+            mine = []
+            for p in group["params"]:
+                hit = index.get(id(p))
+                if hit is None:
+                    mine.append(p)
+                else:
+                    hit[0].user_group[hit[1]] = ug
+            others.append(mine)
+        self._groups, self._others, self._layout_key = groups, others, key
+        return list(groups.values()), others
+
+    # ------------------------------------------------------------------ runs
+
+    def _runs(self, gs: _GroupState) -> list[_Run]:
+        """This step's runs of ``gs`` (reused while their boundaries hold), with
+        each run parameter's ``.grad`` set."""
+        sb = gs.sb
+        whole = sb.whole_grad_buffer()
+        if whole is not None:  # every trainable parameter has a gradient in it
+            has = np.fromiter(map(_REQUIRES_GRAD, sb.params), dtype=bool, count=len(sb.params))
+            sources = np.zeros(len(sb.params), dtype=np.int64)
+            grad_of = None
+        else:
+            has, sources, grad_of = self._grad_sources(sb)
+        included = has & (gs.user_group >= 0)
+        n = len(included)
+        new = np.ones(n, dtype=bool)
+        if n > 1:
+            same = (
+                included[:-1]
+                & (gs.user_group[1:] == gs.user_group[:-1])
+                & (sources[1:] == sources[:-1])
+                & (gs.counts[1:] == gs.counts[:-1])
+            )
+            new[1:] = ~same
+        starts = np.flatnonzero(included & new)
+        ends = np.empty_like(starts)
+        if len(starts):
+            # a run ends before the next start or the next excluded parameter
+            stops = np.flatnonzero(~included | new)
+            pos = np.searchsorted(stops, starts, side="right")
+            nxt = np.where(pos < len(stops), stops[np.minimum(pos, len(stops) - 1)], n)
+            ends = nxt - 1
+        signature = starts.tobytes() + ends.tobytes() + sources.tobytes()
+        if signature != gs.signature:
+            gs.runs = [self._new_run(gs, int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
+            gs.signature = signature
+        for run in gs.runs:
+            a, b = run.span
+            if whole is not None:
+                run.param.grad = whole[a:b]
+            else:
+                run.param.grad = grad_of(run)
+        return gs.runs
+
+    def _grad_sources(self, sb: ShardedBuffer):
+        """Per parameter: has a gradient, and which buffer it is a view of at its
+        own offset (0 for none: a run of its own). O(parameters) Python."""
+        grads = list(map(_GRAD, sb.params))
+        n = len(grads)
+        has = np.zeros(n, dtype=bool)
+        sources = np.zeros(n, dtype=np.int64)
+        bases: dict[int, torch.Tensor] = {}
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            has[i] = True
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            base = local._base
+            if (
+                base is not None
+                and base.dim() == 1
+                and base.numel() == sb.sharded.numel()
+                and base.dtype == sb.sharded.dtype
+                and local.is_contiguous()
+                and local.storage_offset() - base.storage_offset() == sb.offsets[i]
+            ):
+                sources[i] = id(base)
+                bases[id(base)] = base
+            else:
+                sources[i] = -(i + 1)  # alone
+
+        def grad_of(run: _Run) -> torch.Tensor:
+            a, b = run.span
+            src = sources[run.first]
+            if src > 0:
+                return bases[int(src)][a:b]
+            g = grads[run.first]
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            return local.reshape(-1).to(sb.sharded.dtype)
+
+        return has, sources, grad_of
+
+    def _new_run(self, gs: _GroupState, first: int, last: int) -> _Run:
+        run = _Run(gs, first, last, gs.sb.sharded[0:0])
+        a, b = run.span
+        run.param = gs.sb.sharded[a:b]
+        members = gs.sb.params[first : last + 1]
+        head = self.state.get(members[0])
+        if not head:  # torch makes the state at this step; _adopt_state moves it
+            run.fresh = True
+            return run
+        for k, v in head.items():
+            if k in gs.flat:
+                run.state[k] = gs.flat[k][a:b]
+            else:  # a scalar state, equal across the run (same step count)
+                run.state[k] = v.clone() if torch.is_tensor(v) else v
+        scalars = [(k, v) for k, v in run.state.items() if k not in gs.flat]
+        for p in members:
+            st = self.state[p]
+            for k, v in scalars:
+                st[k] = v
+        return run
+
+    def _adopt_state(self, run: _Run) -> None:
+        """After a run's first step: its elementwise states move into the group's
+        flat buffers, and each parameter's ``self.state`` gets views of them."""
+        gs, sb = run.buf, run.buf.sb
+        a, b = run.span
+        for k, v in list(run.state.items()):
+            if torch.is_tensor(v) and v.dim() == 1 and v.shape == run.param.shape:
+                flat = gs.flat.get(k)
+                if flat is None:
+                    flat = gs.flat[k] = torch.zeros_like(sb.sharded, dtype=v.dtype)
+                flat[a:b].copy_(v)
+                run.state[k] = flat[a:b]
+        run.fresh = False
+        if not run.state:  # a stateless update (SGD without momentum): none, as torch
+            return
+        for i in range(run.first, run.last + 1):
+            self.state[sb.params[i]] = self._param_state(gs, i, run.state)
+
+    def _param_state(self, gs: _GroupState, i: int, run_state: dict) -> dict:
+        p, sb = gs.sb.params[i], gs.sb
+        local = p._local_tensor
+        st = {}
+        for k, v in run_state.items():
+            if k in gs.flat:
+                off = sb.offsets[i]
+                view = gs.flat[k].as_strided(local.shape, local.stride(), off)
+                st[k] = DTensor.from_local(
+                    view,
+                    p.device_mesh,
+                    p.placements,
+                    shape=p.shape,
+                    stride=p.stride(),
+                    run_check=False,
+                )
+            else:
+                st[k] = v
+        return st
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups, others = self._layout()
+        shadow = self._shadow
+        per_user: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        state: defaultdict = defaultdict(dict)
+        stepped: list[_Run] = []
+        for gs in groups:
+            for run in self._runs(gs):
+                per_user[int(gs.user_group[run.first])].append(run.param)
+                state[run.param] = run.state
+                stepped.append(run)
+        for ug, mine in enumerate(others):
+            for p in mine:
+                per_user[ug].append(p)
+                state[p] = self.state[p]
+        shadow.param_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": params}
+            for g, params in zip(self.param_groups, per_user, strict=True)
+        ]
+        shadow.state = state
+        fresh = [run for run in stepped if run.fresh]
+        try:
+            shadow.step()
+        finally:
+            for run in stepped:  # the gradient buffers are the runtime's to free
+                run.param.grad = None
+            shadow.state = defaultdict(dict)
+            shadow.param_groups = []
+        for run in fresh:
+            self._adopt_state(run)
+        for run in stepped:
+            run.buf.counts[run.first : run.last + 1] += 1
+        return loss
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        for st in sd["state"].values():  # a run's shared scalars: one copy each
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() == 0:
+                    st[k] = v.clone()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._import_state()
+
+    def _import_state(self) -> None:
+        """Move per-parameter states (loaded, or made by an optimizer's
+        constructor, as Adagrad's) into the groups' flat buffers."""
+        self._layout_key = None
+        groups, _ = self._layout()
+        for gs in groups:
+            gs.runs, gs.signature = [], None
+            gs.counts[:] = 0
+            for i, p in enumerate(gs.sb.params):
+                st = self.state.get(p)
+                if not st:
+                    continue
+                step = st.get("step", 0)
+                gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
+                for k, v in list(st.items()):
+                    local = v._local_tensor if isinstance(v, DTensor) else v
+                    if not (torch.is_tensor(local) and local.dim() > 0):
+                        continue
+                    flat = gs.flat.get(k)
+                    if flat is None:
+                        flat = gs.flat[k] = torch.zeros_like(gs.sb.sharded, dtype=local.dtype)
+                    off, n = gs.sb.offsets[i], gs.sb.numels[i]
+                    flat[off : off + n].copy_(local.reshape(-1))
+                self.state[p] = self._param_state(gs, i, st)
