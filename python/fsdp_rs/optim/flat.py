@@ -6,7 +6,7 @@ An fsdp-rs group keeps this rank's shards of its parameters back to back in one
 buffer (with zero padding between them), and after a reduction their ``.grad``s
 are views of one gradient buffer in the same layout ([Note: Whole gradient
 buffers]). An elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop,
-Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop) computes each element from the
+Adamax, NAdam, RAdam, Adadelta, ASGD) computes each element from the
 same element of the parameter, gradient and state and from per-parameter
 scalars (the step count, and what follows from it and the hyperparameters), so
 stepping a run of consecutive parameters as one flat tensor gives every element
@@ -74,7 +74,6 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam,
     torch.optim.Adadelta,
     torch.optim.ASGD,
-    torch.optim.Rprop,
 )
 
 
@@ -160,11 +159,13 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._import_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        cls = self.__dict__.get("_cls")
-        if cls is None:  # unpickling: the class's own fix-ups come later
-            super().__setstate__(state)
-        else:  # the class's own upgrades of old state dicts (e.g. step as a tensor)
-            cls.__setstate__(self, state)
+        super().__setstate__(state)
+        shadow = self.__dict__.get("_shadow")
+        if shadow is not None:
+            # the class's own upgrades (group defaults added since, ``step`` as a
+            # tensor), made by the shadow on our groups and states in place
+            shadow.__setstate__({"state": self.state, "param_groups": self.param_groups})
+            shadow.state, shadow.param_groups = defaultdict(dict), []
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -386,10 +387,11 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        for st in sd["state"].values():  # a run's shared scalars: one copy each
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() == 0:
-                    st[k] = v.clone()
+        # a run's shared scalars: one copy each (new dicts: torch's are self.state's)
+        sd["state"] = {
+            idx: {k: v.clone() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in st.items()}
+            for idx, st in sd["state"].items()
+        }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
