@@ -132,6 +132,7 @@ def fully_shard(
         for part in parts:
             part.forget_originals()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    state.mesh_info = info  # the root's plan check runs on it ([Note: Cross-rank plan check])
     state.conflicts = managed.conflicts  # raised at lazy init, as FSDP2
     for m in modules:
         m._fsdp_rs_state = state

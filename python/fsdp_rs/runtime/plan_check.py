@@ -83,11 +83,12 @@ def check_plans(root, states: Sequence[Any]) -> None:
     each root's lazy init, after ``reshard_after_forward`` is resolved."""
     if not enabled():
         return
-    # The root's mesh: its own group's (the root state comes first), else the first.
-    first = next((g for s in states for g in _groups(s)), None)
-    if first is None:
+    if not any(_groups(s) for s in states):
         return  # no parameters: no collective to protect
-    dims = _mesh_dims(first.info)
+    # The mesh given to the root's fully_shard (the root state comes first), on
+    # every rank the same process groups whatever meshes the states below use.
+    info = states[0].mesh_info
+    dims = _mesh_dims(info)
     if not dims:
         return
     names = _module_names(root, states)
@@ -95,7 +96,7 @@ def check_plans(root, states: Sequence[Any]) -> None:
     per_state = [digests.state(state, names[i]) for i, state in enumerate(states)]
     total = hashlib.blake2b(b"".join(per_state), digest_size=8).digest()
     value = int.from_bytes(total, "little", signed=True)
-    if len(set(_gather_values(value, dims, first.info.device))) == 1:
+    if len(set(_gather_values(value, dims, info.device))) == 1:
         return
     _undo_lazy_init(states)
     raise PlanMismatchError(_mismatch_message(states, names, per_state, dims))

@@ -112,6 +112,7 @@ class FSDPState:
         self.post_optim_event = None
         self.shared_streams: dict | None = None  # share_comm_ctx
         self.conflicts: list[str] = []  # parameters owned by another group
+        self.mesh_info = None  # the mesh fully_shard was given (set by fully_shard)
         # [Note: Eager hooks under torch.compile]
         self.pre_forward = eager_hook(self._pre_forward_hook)
         self.post_forward = eager_hook(self._post_forward_hook)
