@@ -87,6 +87,33 @@ def test_bench_step_default_rounds(tmp_path: Path) -> None:
     assert record["repeat"] == STEP_ROUNDS_SMALL == len(record["round_speedups"])
 
 
+OPTIM_FIELDS = (
+    "plain_s",
+    "torch_s",
+    "fsdp_rs_s",
+    "fsdp_rs_flat_s",
+    "flat_speedup",
+    "step_torch_s",
+    "step_fsdp_rs_flat_s",
+)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_bench_optim(tmp_path: Path, optimizer: str) -> None:
+    out = tmp_path / "optim.json"
+    argv = ["optim", "--params", "60", "--block-params", "20", "--repeat", "2"]
+    argv += ["--world-size", "4", "--optimizer", optimizer, "--json", str(out)]
+    proc = _python(["-m", "fsdp_rs.bench", *argv])
+    assert "rs flat" in proc.stdout
+    (record,) = json.loads(out.read_text())
+    assert record["bench"] == "optim" and record["optimizer"] == optimizer
+    assert record["n_params"] == 60 and record["world_size"] == 4
+    for field in OPTIM_FIELDS:
+        assert isinstance(record[field], float) and record[field] > 0, field
+    assert record["flat_speedup"] == pytest.approx(record["torch_s"] / record["fsdp_rs_flat_s"])
+    assert record["equal"] is True  # the flat and per-parameter steps gave the same shards
+
+
 def test_bench_bad_input() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_rs.bench", "step", "--params", "0"],

@@ -497,6 +497,74 @@ def _run_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_optim(subparsers) -> None:
+    p = subparsers.add_parser(
+        "optim",
+        help="optimizer step: unsharded, FSDP2, fsdp-rs per parameter, fsdp-rs flat",
+        description=(
+            "Time the optimizer step of bench step's model (blocks of 100 parameter "
+            "tensors) side by side: the unsharded model's, torch FSDP2 + the "
+            "per-parameter optimizer, fsdp-rs + the per-parameter optimizer, fsdp-rs + "
+            "fsdp_rs.optim.FlatOptimizer; then a whole training step (forward, backward, "
+            "clip, step, zero_grad) under FSDP2 and under fsdp-rs + flat. One process, "
+            "torch's fake process group (rank 0 of W). Checks that the two fsdp-rs "
+            "models end with equal shards."
+        ),
+    )
+    p.add_argument(
+        "--params",
+        type=positive_int,
+        action="append",
+        metavar="N",
+        help="parameter tensors; repeat (default: 1e3 and 1e4)",
+    )
+    p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, metavar="W")
+    p.add_argument("--block-params", type=positive_int, default=DEFAULT_BLOCK_PARAMS)
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd (default: adamw)")
+    p.add_argument("--repeat", type=positive_int, default=DEFAULT_REPEAT)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.set_defaults(run=_run_optim, parser=p)
+
+
+def _run_optim(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from fsdp_rs.bench.optim import OPTIMIZERS, bench_optim
+
+    if args.optimizer not in OPTIMIZERS:
+        args.parser.error(
+            f"unknown --optimizer {args.optimizer!r}; choose from {sorted(OPTIMIZERS)}"
+        )
+    if args.world_size < 1:
+        args.parser.error("--world-size must be at least 1")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    recs = [
+        bench_optim(n, args.world_size, args.block_params, args.optimizer, args.repeat, device)
+        for n in args.params or (1_000, 10_000)
+    ]
+    print(f"optim: {args.optimizer}, W={args.world_size} (rank 0), {device.type}, ms per step")
+    head = ("params", "plain", "FSDP2", "rs", "rs flat", "flat vs FSDP2", "step FSDP2")
+    print(" ".join(f"{h:>13s}" for h in (*head, "step rs flat", "step speedup", "equal")))
+    for r in recs:
+        cols = [r["plain_s"], r["torch_s"], r["fsdp_rs_s"], r["fsdp_rs_flat_s"]]
+        print(
+            f"{r['n_params']:>13d} "
+            + " ".join(f"{c * 1e3:13.2f}" for c in cols)
+            + f" {r['flat_speedup']:12.1f}x {r['step_torch_s'] * 1e3:13.2f}"
+            + f" {r['step_fsdp_rs_flat_s'] * 1e3:13.2f} {r['step_speedup']:12.1f}x"
+            + f" {r['equal']!s:>13s}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(recs, f, indent=1)
+    return 0 if all(r["equal"] for r in recs) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_rs.bench",
@@ -509,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init(subparsers)
     _add_step(subparsers)
     _add_memory(subparsers)
+    _add_optim(subparsers)
     return parser
 
 

@@ -1,0 +1,130 @@
+"""``bench optim``: the optimizer step over many parameter tensors, side by
+side in one process: the unsharded model's per-parameter step, torch FSDP2 with
+the per-parameter optimizer, fsdp-rs with the per-parameter optimizer, and
+fsdp-rs with ``fsdp_rs.optim.FlatOptimizer`` ([Note: Flat optimizer]); then the
+whole training step (forward, backward, clip, optimizer step, ``zero_grad``)
+under FSDP2 + torch's optimizer and clip and under fsdp-rs + the flat optimizer
+and ``fsdp_rs.clip_grad_norm_``.
+
+The model is ``bench step``'s (``BLOCK_SHAPES`` blocks, one ``fully_shard``
+group each, then the root) on torch's fake process group (rank 0 of W), so the
+collectives return at once and what is timed is the step's own work. Before the
+optimizer timings, every model's gradients are overwritten with the same
+deterministic values (the fake collectives leave them undefined), so the two
+fsdp-rs models step identical shards from identical gradients and their final
+shards must be equal bit for bit (``equal``).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_rs.bench.timing import time_call
+from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
+
+__all__ = ["OPTIMIZERS", "bench_optim"]
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _set_grads(model: nn.Module) -> None:
+    """Every parameter's gradient (local shard) := a fixed function of its
+    index and position, written in place (fsdp-rs's stay views of its buffers)."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            g = _local(p.grad)
+            values = torch.arange(g.numel(), dtype=torch.float32, device=g.device)
+            g.copy_(((values * 0.37 + i) % 7 - 3).mul_(1e-3).view_as(g))
+
+
+def _grads_ready(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    _set_grads(model)
+
+
+def _train_step(model, opt, clip, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    clip(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def bench_optim(
+    n_params: int,
+    world_size: int,
+    block_params: int,
+    optimizer: str,
+    repeat: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One record: median seconds per optimizer step of each column, and of a
+    whole training step under FSDP2 and fsdp-rs + flat."""
+    from fsdp_rs.optim import FlatOptimizer, clip_grad_norm_
+
+    cls, kwargs = OPTIMIZERS[optimizer]
+    fake_process_group(world_size)
+    x = torch.zeros(4, device=device)
+    models = {}
+    for name in ("plain", "torch", "fsdp_rs", "fsdp_rs_flat"):
+        torch.manual_seed(0)
+        model = BenchModel(n_params, block_params).to(device)
+        if name != "plain":
+            shard_model(model, "torch" if name == "torch" else "fsdp_rs")
+        models[name] = model
+    opts = {name: cls(m.parameters(), **kwargs) for name, m in models.items()}
+    opts["fsdp_rs_flat"] = FlatOptimizer(models["fsdp_rs_flat"].parameters(), cls, **kwargs)
+    record: dict[str, Any] = {
+        "bench": "optim",
+        "n_params": n_params,
+        "world_size": world_size,
+        "block_params": block_params,
+        "optimizer": optimizer,
+        "device": device.type,
+    }
+    for name, model in models.items():
+        _grads_ready(model, x)
+        opt = opts[name]
+        opt.step()  # states made: not timed
+
+        def step(opt=opt):
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        timing, _ = time_call(step, repeat, collect=False)
+        record[f"{name}_s"] = timing.median
+        gc.collect()
+    shards = [
+        [_local(p).detach() for p in models[n].parameters()] for n in ("fsdp_rs", "fsdp_rs_flat")
+    ]
+    record["equal"] = all(map(torch.equal, *shards))  # the same steps from the same grads
+    record["flat_speedup"] = record["torch_s"] / record["fsdp_rs_flat_s"]
+    clips = {"torch": torch.nn.utils.clip_grad_norm_, "fsdp_rs_flat": clip_grad_norm_}
+    for name, clip in clips.items():
+        model, opt = models[name], opts[name]
+        opt.zero_grad()
+
+        def train(model=model, opt=opt, clip=clip):
+            _train_step(model, opt, clip, x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        timing, _ = time_call(train, max(repeat // 2, 1), warmup=1, collect=False)
+        record[f"step_{name}_s"] = timing.median
+    record["step_speedup"] = record["step_torch_s"] / record["step_fsdp_rs_flat_s"]
+    del models, opts
+    gc.collect()
+    return record
