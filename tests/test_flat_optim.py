@@ -56,6 +56,7 @@ OPTIMIZERS: dict[str, tuple[type, dict]] = {
     "adamw": (OPT.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "adamw_foreach": (OPT.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
     "adamw_fused": (OPT.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    "adam_fused": (OPT.Adam, {"lr": 1e-2, "fused": True}),
     "adagrad": (OPT.Adagrad, {"lr": 1e-2, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
     "rmsprop": (OPT.RMSprop, {"lr": 1e-3, "momentum": 0.9, "centered": True}),
     "adamax": (OPT.Adamax, {"lr": 1e-2}),
@@ -64,7 +65,14 @@ OPTIMIZERS: dict[str, tuple[type, dict]] = {
     "adadelta": (OPT.Adadelta, {"lr": 0.5}),
     "asgd": (OPT.ASGD, {"lr": 1e-2}),
 }
-SCENARIOS: dict[str, dict] = {name: {"optim": name} for name in OPTIMIZERS}
+# CPU fused Adam rounds its vectorized body and scalar tail differently, so an
+# element's bits depend on its position in the tensor (DESIGN.md, measured facts):
+# compared to rounding there, bit for bit everywhere else. (Fused SGD has no DTensor
+# sharding rule in torch: no per-parameter reference to compare with.)
+NOT_SPLIT_INVARIANT = {"adam_fused"}
+SCENARIOS: dict[str, dict] = {
+    name: {"optim": name, "close": name in NOT_SPLIT_INVARIANT} for name in OPTIMIZERS
+}
 SCENARIOS.update(
     {
         "adamw_keep_grads": {"optim": "adamw_foreach", "set_to_none": False},
@@ -254,6 +262,12 @@ def test_flat_optimizer_bitwise_as_per_parameter(results, name):
         runs = ["flat", "flat_then_per_param", "per_param_then_flat"]
         for run_name in [k for k in runs if k in r]:
             got = r[run_name]
+            if spec.get("close"):
+                close = {"rtol": 1e-6, "atol": 1e-7}
+                torch.testing.assert_close(got["losses"], ref["losses"], **close)
+                torch.testing.assert_close(got["params"], ref["params"], **close)
+                torch.testing.assert_close(got["states"], ref["states"], **close)
+                continue
             assert got["losses"] == ref["losses"], f"rank {rank} {run_name}: losses differ"
             for n in ref["params"]:
                 assert got["params"][n] == ref["params"][n], f"rank {rank} {run_name}: {n}"
