@@ -351,37 +351,48 @@ class FlatOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups, others = self._layout()
-        shadow = self._shadow
+        stepped = [run for gs in groups for run in self._runs(gs)]
+        try:
+            # runs with state and the parameters no group holds: one call
+            entries = [(int(r.buf.user_group[r.first]), r.param, r.state) for r in stepped]
+            fresh = [run for run in stepped if run.fresh]
+            entries = [e for e, r in zip(entries, stepped, strict=True) if not r.fresh]
+            entries += [(ug, p, self.state[p]) for ug, mine in enumerate(others) for p in mine]
+            self._shadow_step(entries)
+            # [Note: Flat optimizer] runs whose state torch makes now: one call each,
+            # moved into the flat buffers at once, so the step holds one run's
+            # fresh state at a time on top of the flat buffers
+            for run in fresh:
+                self._shadow_step([(int(run.buf.user_group[run.first]), run.param, run.state)])
+                self._adopt_state(run)
+        finally:
+            for run in stepped:  # the gradient buffers are the runtime's to free
+                run.param.grad = None
+        for run in stepped:
+            run.buf.counts[run.first : run.last + 1] += 1
+        return loss
+
+    def _shadow_step(self, entries: list[tuple[int, torch.Tensor, dict]]) -> None:
+        """torch's step of the user's optimizer class over ``entries`` (user group,
+        tensor, its state), with the user groups' hyperparameters."""
+        if not entries:
+            return
         per_user: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         state: defaultdict = defaultdict(dict)
-        stepped: list[_Run] = []
-        for gs in groups:
-            for run in self._runs(gs):
-                per_user[int(gs.user_group[run.first])].append(run.param)
-                state[run.param] = run.state
-                stepped.append(run)
-        for ug, mine in enumerate(others):
-            for p in mine:
-                per_user[ug].append(p)
-                state[p] = self.state[p]
+        for ug, tensor, st in entries:
+            per_user[ug].append(tensor)
+            state[tensor] = st
+        shadow = self._shadow
         shadow.param_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": params}
             for g, params in zip(self.param_groups, per_user, strict=True)
         ]
         shadow.state = state
-        fresh = [run for run in stepped if run.fresh]
         try:
             shadow.step()
         finally:
-            for run in stepped:  # the gradient buffers are the runtime's to free
-                run.param.grad = None
             shadow.state = defaultdict(dict)
             shadow.param_groups = []
-        for run in fresh:
-            self._adopt_state(run)
-        for run in stepped:
-            run.buf.counts[run.first : run.last + 1] += 1
-        return loss
 
     # ------------------------------------------------------------------ state
 
