@@ -179,8 +179,6 @@ def other_mesh(rank: int, flat) -> None:
     """Rank 1 shards the first layer over an HSDP mesh (1, W): the root's
     (flat) mesh checks it."""
     hsdp = init_device_mesh("cpu", (1, flat.size()), mesh_dim_names=("replicate", "shard"))
-    # torch 2.9 makes a sub-mesh's process group lazily, a collective: on every rank
-    hsdp.get_group("replicate"), hsdp.get_group("shard")
     model = mlp()
     for i in (0, 2):
         fsdp_rs.fully_shard(model[i], mesh=hsdp if rank == 1 and i == 0 else flat)

@@ -40,8 +40,8 @@ process groups differ between ranks still hang there.
 Off (on every rank, or the ranks disagree on the collective):
 ``FSDP_RS_CHECK_PLANS=0``. With torch's fake process group, and on a mesh of
 one rank, nothing is checked. Cost: one 8-byte all-gather per root and mesh
-dim, and hashing about 0.5 us per parameter (mostly reading ``requires_grad``
-of the sharded DTensors), once.
+dim, and hashing, once: 1.4-1.6 us per parameter in all at 1e4 and 1e5
+parameters (gloo, W = 2, a 2-core VM; README).
 """
 
 from __future__ import annotations
