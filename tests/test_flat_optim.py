@@ -11,8 +11,8 @@ runs split inside a group, the parameters' step counts diverge and torch's
 skipping is what must be matched. Every scenario uses two user parameter
 groups (biases with another learning rate and no weight decay), a
 ``LambdaLR`` schedule, and, where named, ``zero_grad(set_to_none=False)``,
-bf16 mixed precision, HSDP (W = 4), CPU offload and an ignored (plain)
-parameter. The ``*_resume`` scenarios also hand a checkpoint over mid-way:
+bf16 mixed precision, HSDP (W = 4), CPU offload, frozen parameters and an
+ignored (plain) parameter. The ``*_resume`` scenarios also hand a checkpoint over mid-way:
 ``state_dict()`` of one kind loaded into the other, both ways.
 """
 
@@ -79,6 +79,7 @@ SCENARIOS.update(
         "adamw_bf16": {"optim": "adamw", "mp": True},
         "adamw_offload": {"optim": "adamw", "offload": True},
         "adamw_ignored": {"optim": "adamw", "ignored": True},
+        "adamw_frozen": {"optim": "adamw_foreach", "frozen": True},
         "adamw_hsdp": {"optim": "adamw", "hsdp": True, "min_world": 4},
         "adamw_resume": {"optim": "adamw", "resume": True},
         "sgd_momentum_resume": {"optim": "sgd_momentum", "resume": True},
@@ -117,6 +118,9 @@ class Model(nn.Module):
 def _model(spec: dict, world_size: int) -> Model:
     torch.manual_seed(0)
     model = Model(spec.get("ignored", False))
+    if spec.get("frozen"):  # frozen parameters between trainable ones in a group
+        model.blocks[1].lin.weight.requires_grad_(False)
+        model.blocks[2].extra.bias.requires_grad_(False)
     shape = (2, world_size // 2) if spec.get("hsdp") else (world_size,)
     names = ("replicate", "shard") if spec.get("hsdp") else None
     kwargs: dict = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
