@@ -114,6 +114,7 @@ def run(world_size: int, rank: int, spec: dict) -> dict:
         expected_norm = torch.nn.utils.get_total_norm(expected, norm_type)
         holders = [types.SimpleNamespace(grad=e) for e in expected]  # torch's reads p.grad
         torch.nn.utils.clip_grads_with_norm_(holders, max_norm, expected_norm)
+        out["torch_total_placements"] = str(getattr(expected_norm, "placements", None))
         norm = fsdp_rs.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         out["returns_dtensor"] = isinstance(norm, DTensor)
         out["norm_rel"].append(_rel(norm.full_tensor(), expected_norm.full_tensor()))
@@ -214,9 +215,13 @@ def test_clip_grad_norm_as_torch(results, name):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         assert r["returns_dtensor"]
         assert max(r["norm_rel"]) <= 1e-6, f"rank {rank}: total norm differs: {r['norm_rel']}"
-        assert max(r["grad_rel"]) <= 1e-6, f"rank {rank}: clipped grads differ: {r['grad_rel']}"
+        # torch <= 2.9 returns the 2-norm as a Partial DTensor and adds clip_grads_with_norm_'s
+        # 1e-6 to each rank's part, so its coefficient is off by about 1e-6 / norm
+        partial = "Partial" in r["torch_total_placements"] and not math.isinf(spec["norm"])
+        tol = 2e-5 if partial else 1e-6
+        assert max(r["grad_rel"]) <= tol, f"rank {rank}: clipped grads differ: {r['grad_rel']}"
         rs_losses, torch_losses = r["losses"]
-        torch.testing.assert_close(rs_losses, torch_losses, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(rs_losses, torch_losses, rtol=tol, atol=tol / 10)
         # which gradients took the O(groups) path (4 groups of 2 parameters)
         expected = {"subset": 2, "replaced": r["n_params"] - 2}.get(name, r["n_params"])
         assert r["whole"] == [expected] * STEPS, f"rank {rank}: {r['whole']}"
