@@ -4,12 +4,17 @@ out_dir)`` and writes ``rank{r}.json`` with its results per scenario."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import socket
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -46,3 +51,35 @@ def read_ranks(out: Path, world_size: int) -> list[dict]:
     """Each rank's results; ``{}`` for a rank that wrote none."""
     paths = [out / f"rank{r}.json" for r in range(world_size)]
     return [json.loads(p.read_text()) if p.exists() else {} for p in paths]
+
+
+def gloo_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    names: list[str],
+    out_dir: str,
+    run: Callable[[int, int, str], dict],
+) -> None:
+    """A worker for ``spawn_scenarios`` (bind ``run`` with ``functools.partial``):
+    joins a gloo group (60 s timeout, so a mismatch fails instead of hanging), runs
+    ``run(world_size, rank, name)`` per name with a barrier after each, and writes
+    the results; a scenario that raises is recorded with its traceback, then
+    re-raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.set_num_threads(1)
+    results: dict = {}
+    path = Path(out_dir) / f"rank{rank}.json"
+    for name in names:
+        try:
+            results[name] = run(world_size, rank, name)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            path.write_text(json.dumps(results))
+            raise
+        dist.barrier()
+    path.write_text(json.dumps(results))
+    dist.destroy_process_group()

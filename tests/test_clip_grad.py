@@ -13,19 +13,15 @@ cannot pass by falling back to the per-gradient path unnoticed.
 
 from __future__ import annotations
 
-import datetime
+import functools
 import itertools
-import json
 import math
-import os
 import sys
-import traceback
 import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -36,7 +32,7 @@ import fsdp_rs
 from fsdp_rs.runtime.grad_buffers import sharded_grad_buffers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawned import read_ranks, spawn_scenarios
+from spawned import gloo_worker, read_ranks, spawn_scenarios
 
 DIMS = (16, 33, 7, 13, 5)
 STEPS = 3
@@ -172,27 +168,10 @@ def misuse(world_size: int, rank: int) -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
-    torch.set_num_threads(1)
-    results: dict = {}
-    path = Path(out_dir) / f"rank{rank}.json"
-    for name in names:
-        try:
-            if name == "misuse":
-                results[name] = misuse(world_size, rank)
-            else:
-                results[name] = run(world_size, rank, SCENARIOS[name])
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            path.write_text(json.dumps(results))
-            raise
-        dist.barrier()
-    path.write_text(json.dumps(results))
-    dist.destroy_process_group()
+def run_named(world_size: int, rank: int, name: str) -> dict:
+    if name == "misuse":
+        return misuse(world_size, rank)
+    return run(world_size, rank, SCENARIOS[name])
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda w: f"W{w}")
@@ -200,6 +179,7 @@ def results(request, tmp_path_factory):
     world_size = request.param
     names = [n for n, s in SCENARIOS.items() if s.get("min_world", 2) <= world_size]
     out = tmp_path_factory.mktemp(f"clip{world_size}")
+    worker = functools.partial(gloo_worker, run=run_named)
     spawn_scenarios(worker, world_size, [*names, "misuse"], out, timeout_s=300)
     return world_size, read_ranks(out, world_size)
 

@@ -18,17 +18,13 @@ ignored (plain) parameter. The ``*_resume`` scenarios also hand a checkpoint ove
 
 from __future__ import annotations
 
-import datetime
+import functools
 import itertools
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -38,7 +34,7 @@ import fsdp_rs
 from fsdp_rs.optim import FlatOptimizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawned import read_ranks, spawn_scenarios
+from spawned import gloo_worker, read_ranks, spawn_scenarios
 
 OPT = torch.optim
 STEPS = 5
@@ -163,7 +159,7 @@ def _state(opt) -> dict:
     return out
 
 
-def _dcp_handover(model: nn.Module, old, new, flat: bool):
+def _dcp_handover(model: nn.Module, old, new, flat: bool, ckpt: Path):
     """Save ``old``'s state with DCP and load it into ``new``, as a trainer does."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -171,7 +167,7 @@ def _dcp_handover(model: nn.Module, old, new, flat: bool):
         set_optimizer_state_dict,
     )
 
-    path = Path(os.environ["FLAT_OPTIM_CKPT"]) / ("from_flat" if flat else "from_per_param")
+    path = ckpt / ("from_flat" if flat else "from_per_param")
     dcp.save({"optim": get_optimizer_state_dict(model, old)}, checkpoint_id=str(path))
     for group in new.param_groups:  # a key DCP fills only where the target has it
         group["initial_lr"] = None
@@ -181,7 +177,14 @@ def _dcp_handover(model: nn.Module, old, new, flat: bool):
     return new
 
 
-def train(world_size: int, rank: int, spec: dict, flat: bool, switch_at: int | None) -> dict:
+def train(
+    world_size: int,
+    rank: int,
+    spec: dict,
+    flat: bool,
+    switch_at: int | None,
+    ckpt: Path | None = None,
+) -> dict:
     """``flat``: the optimizer's kind before ``switch_at`` (the other one after,
     loaded from its ``state_dict``)."""
     model = _model(spec, world_size)
@@ -191,7 +194,7 @@ def train(world_size: int, rank: int, spec: dict, flat: bool, switch_at: int | N
     losses, states = [], {}
     for step in range(STEPS):
         if step == switch_at and spec.get("dcp"):
-            opt = _dcp_handover(model, opt, _optimizer(model, name, not flat), flat)
+            opt = _dcp_handover(model, opt, _optimizer(model, name, not flat), flat, ckpt)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s, last_epoch=step - 1)
         elif step == switch_at:
             sd = opt.state_dict()
@@ -212,36 +215,19 @@ def train(world_size: int, rank: int, spec: dict, flat: bool, switch_at: int | N
     return {"losses": losses, "params": params, "states": states}
 
 
-def run(world_size: int, rank: int, spec: dict) -> dict:
+def run(world_size: int, rank: int, spec: dict, ckpt: Path) -> dict:
     out = {
         "per_param": train(world_size, rank, spec, flat=False, switch_at=None),
         "flat": train(world_size, rank, spec, flat=True, switch_at=None),
     }
     if spec.get("resume"):
-        out["flat_then_per_param"] = train(world_size, rank, spec, flat=True, switch_at=3)
-        out["per_param_then_flat"] = train(world_size, rank, spec, flat=False, switch_at=3)
+        out["flat_then_per_param"] = train(world_size, rank, spec, True, 3, ckpt)
+        out["per_param_then_flat"] = train(world_size, rank, spec, False, 3, ckpt)
     return out
 
 
-def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
-    torch.set_num_threads(1)
-    os.environ["FLAT_OPTIM_CKPT"] = str(Path(out_dir) / "ckpt")
-    results: dict = {}
-    path = Path(out_dir) / f"rank{rank}.json"
-    for name in names:
-        try:
-            results[name] = run(world_size, rank, SCENARIOS[name])
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            path.write_text(json.dumps(results))
-            raise
-        dist.barrier()
-    path.write_text(json.dumps(results))
-    dist.destroy_process_group()
+def run_named(world_size: int, rank: int, name: str, out_dir: str) -> dict:
+    return run(world_size, rank, SCENARIOS[name], Path(out_dir) / "ckpt" / name)
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda w: f"W{w}")
@@ -249,7 +235,8 @@ def results(request, tmp_path_factory):
     world_size = request.param
     names = [n for n, s in SCENARIOS.items() if s.get("min_world", 2) <= world_size]
     out = tmp_path_factory.mktemp(f"flat{world_size}")
-    spawn_scenarios(worker, world_size, names, out, timeout_s=600)
+    run_here = functools.partial(run_named, out_dir=str(out))  # DCP checkpoints go there
+    spawn_scenarios(functools.partial(gloo_worker, run=run_here), world_size, names, out, 600)
     return world_size, read_ranks(out, world_size)
 
 

@@ -579,19 +579,7 @@ class GradientReduction:
             self._run_accumulate_hooks(wanted)
 
     def _run_accumulate_hooks(self, which: list[bool]) -> None:
-        """[Note: Wider gradient accumulation]
-        Where the installed torch's FSDP2 has a gradient dtype policy ([Note: Default
-        reduce dtype]) and a group reduces in a wider floating dtype than it computes
-        in (bf16 parameters, fp32 reduce), a backward without gradient sync must sum in
-        the reduce dtype, as FSDP2 has autograd do it: at each pre-backward, an
-        unsharded parameter with no ``.grad`` gets ``grad_dtype`` = the reduce dtype
-        when the backward does not reduce, so autograd casts every contribution up and
-        sums them there; otherwise ``grad_dtype`` is None, and autograd sums in the
-        compute dtype (a synced backward: the copy-in casts once; or the contributions
-        are added into the wider ``.grad`` kept from an earlier backward). On older
-        torch, and for groups that do not widen, nothing is set.
-
-        [Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
+        """[Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
         params = self._grad_params
         if not any(map(_ACC_HOOKS, params)):  # the usual case: one C-level pass
             return
