@@ -528,11 +528,10 @@ def _add_optim(subparsers) -> None:
 
 
 def _run_optim(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from fsdp_rs.bench.optim import OPTIMIZERS, bench_optim
+    from fsdp_rs.bench.report import write_json
 
     if args.optimizer not in OPTIMIZERS:
         args.parser.error(
@@ -560,8 +559,7 @@ def _run_optim(args: argparse.Namespace) -> int:
             + f" {r['equal']!s:>13s}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(recs, f, indent=1)
+        write_json(recs, args.json)
     return 0 if all(r["equal"] for r in recs) else 1
 
 

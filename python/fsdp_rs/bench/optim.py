@@ -25,6 +25,7 @@ from torch import nn
 
 from fsdp_rs.bench.timing import time_call
 from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
+from fsdp_rs.runtime.grad_buffers import local_tensor as _local
 
 __all__ = ["OPTIMIZERS", "bench_optim"]
 
@@ -33,10 +34,6 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
 }
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _set_grads(model: nn.Module) -> None:

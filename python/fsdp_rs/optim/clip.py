@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_rs.runtime.grad_buffers import GradBuffer, sharded_grad_buffers
+from fsdp_rs.runtime.grad_buffers import GradBuffer, local_tensor, sharded_grad_buffers
 
 __all__ = ["clip_grad_norm_"]
 
@@ -119,7 +119,7 @@ def _clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tens
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = _coefficient(max_norm, total)
     _scale([b.buffer for b in whole], coef, foreach)
     _scale(rest, coef, foreach)
     return _as_dtensor(total, [whole[0].grads[0]])
@@ -132,8 +132,7 @@ def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) 
     if isinstance(coef, DTensor):
         coef = coef.to_local()
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        local = g._local_tensor if isinstance(g, DTensor) else g
+    for local in map(local_tensor, grads):
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
         c = coef.to(device)
@@ -157,5 +156,10 @@ def _torch_clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torc
     """torch's own path over the gradients (no whole buffer to use)."""
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     full = total.full_tensor() if isinstance(total, DTensor) else total
-    _scale(grads, torch.clamp(max_norm / (full + 1e-6), max=1.0), foreach)
+    _scale(grads, _coefficient(max_norm, full), foreach)
     return total
+
+
+def _coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """torch's clip coefficient (``clip_grads_with_norm_``'s formula)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)

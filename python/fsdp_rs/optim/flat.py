@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.grad_buffers import ShardedBuffer, sharded_buffers
+from fsdp_rs.runtime.grad_buffers import ShardedBuffer, local_tensor, sharded_buffers
 
 __all__ = ["ELEMENTWISE", "FlatOptimizer"]
 
@@ -92,6 +92,11 @@ class _Run:
         return sb.offsets[self.first], sb.offsets[self.last] + sb.numels[self.last]
 
 
+def _entry(run: _Run) -> tuple[int, torch.Tensor, dict]:
+    """(user group, tensor, state) of ``run`` for the shadow's step."""
+    return int(run.buf.user_group[run.first]), run.param, run.state
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
@@ -107,6 +112,13 @@ class _GroupState:
         self.flat: dict[str, torch.Tensor] = {}  # elementwise state buffers
         self.runs: list[_Run] = []
         self.signature: bytes | None = None  # of the runs' boundaries
+
+    def flat_buffer(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """The flat buffer of state ``key`` (zeros in the sharded layout, made once)."""
+        flat = self.flat.get(key)
+        if flat is None:
+            flat = self.flat[key] = torch.zeros_like(self.sb.sharded, dtype=dtype)
+        return flat
 
 
 class FlatOptimizer(torch.optim.Optimizer):
@@ -144,14 +156,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             )
         # torch validates the hyperparameters and fills the groups' defaults
         shadow = optimizer_class(params, **kwargs)
-        self._cls = optimizer_class
         self._shadow = shadow
         self._groups: dict[int, _GroupState] = {}
         self._layout_key: tuple | None = None
         super().__init__([dict(g) for g in shadow.param_groups], dict(shadow.defaults))
-        for attr in ("_step_supports_amp_scaling",):
-            if hasattr(shadow, attr):
-                setattr(self, attr, getattr(shadow, attr))
+        if hasattr(shadow, "_step_supports_amp_scaling"):  # GradScaler reads it (fused)
+            self._step_supports_amp_scaling = shadow._step_supports_amp_scaling
         if shadow.state:  # made at construction (Adagrad): into the flat buffers
             for p, st in shadow.state.items():
                 self.state[p] = st
@@ -257,7 +267,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             has[i] = True
-            local = g._local_tensor if isinstance(g, DTensor) else g
+            local = local_tensor(g)
             base = local._base
             if (
                 base is not None
@@ -277,17 +287,15 @@ class FlatOptimizer(torch.optim.Optimizer):
             src = sources[run.first]
             if src > 0:
                 return bases[int(src)][a:b]
-            g = grads[run.first]
-            local = g._local_tensor if isinstance(g, DTensor) else g
-            return local.reshape(-1).to(sb.sharded.dtype)
+            return local_tensor(grads[run.first]).reshape(-1).to(sb.sharded.dtype)
 
         return has, sources, grad_of
 
     def _new_run(self, gs: _GroupState, first: int, last: int) -> _Run:
-        run = _Run(gs, first, last, gs.sb.sharded[0:0])
-        a, b = run.span
-        run.param = gs.sb.sharded[a:b]
-        members = gs.sb.params[first : last + 1]
+        sb = gs.sb
+        a, b = sb.offsets[first], sb.offsets[last] + sb.numels[last]
+        run = _Run(gs, first, last, sb.sharded[a:b])
+        members = sb.params[first : last + 1]
         head = self.state.get(members[0])
         if not head:  # torch makes the state at this step; _adopt_state moves it
             run.fresh = True
@@ -311,9 +319,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         a, b = run.span
         for k, v in list(run.state.items()):
             if torch.is_tensor(v) and v.dim() == 1 and v.shape == run.param.shape:
-                flat = gs.flat.get(k)
-                if flat is None:
-                    flat = gs.flat[k] = torch.zeros_like(sb.sharded, dtype=v.dtype)
+                flat = gs.flat_buffer(k, v.dtype)
                 flat[a:b].copy_(v)
                 run.state[k] = flat[a:b]
         run.fresh = False
@@ -354,16 +360,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         stepped = [run for gs in groups for run in self._runs(gs)]
         try:
             # runs with state and the parameters no group holds: one call
-            entries = [(int(r.buf.user_group[r.first]), r.param, r.state) for r in stepped]
-            fresh = [run for run in stepped if run.fresh]
-            entries = [e for e, r in zip(entries, stepped, strict=True) if not r.fresh]
+            entries = [_entry(run) for run in stepped if not run.fresh]
             entries += [(ug, p, self.state[p]) for ug, mine in enumerate(others) for p in mine]
             self._shadow_step(entries)
             # [Note: Flat optimizer] runs whose state torch makes now: one call each,
             # moved into the flat buffers at once, so the step holds one run's
             # fresh state at a time on top of the flat buffers
-            for run in fresh:
-                self._shadow_step([(int(run.buf.user_group[run.first]), run.param, run.state)])
+            for run in [run for run in stepped if run.fresh]:
+                self._shadow_step([_entry(run)])
                 self._adopt_state(run)
         finally:
             for run in stepped:  # the gradient buffers are the runtime's to free
@@ -423,13 +427,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                     continue
                 step = st.get("step", 0)
                 gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
-                for k, v in list(st.items()):
-                    local = v._local_tensor if isinstance(v, DTensor) else v
-                    if not (torch.is_tensor(local) and local.dim() > 0):
-                        continue
-                    flat = gs.flat.get(k)
-                    if flat is None:
-                        flat = gs.flat[k] = torch.zeros_like(gs.sb.sharded, dtype=local.dtype)
-                    off, n = gs.sb.offsets[i], gs.sb.numels[i]
-                    flat[off : off + n].copy_(local.reshape(-1))
+                off, n = gs.sb.offsets[i], gs.sb.numels[i]
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        local = local_tensor(v)
+                        gs.flat_buffer(k, local.dtype)[off : off + n].copy_(local.reshape(-1))
                 self.state[p] = self._param_state(gs, i, st)

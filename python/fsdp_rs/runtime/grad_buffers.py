@@ -23,14 +23,45 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import is_none
 
-__all__ = ["GradBuffer", "ShardedBuffer", "sharded_buffers", "sharded_grad_buffers"]
+__all__ = [
+    "GradBuffer",
+    "ShardedBuffer",
+    "local_tensor",
+    "sharded_buffers",
+    "sharded_grad_buffers",
+]
 
 _GRAD = operator.attrgetter("grad")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _group_of(t: torch.Tensor):
+    """The group whose sharded or gradient buffer ``t``'s local tensor views."""
+    base = getattr(getattr(t, "_local_tensor", None), "_base", None)
+    ref = getattr(base, "_fsdp_rs_group", None) if base is not None else None
+    return ref() if ref is not None else None
+
+
+def _whole(group) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """The group's gradient buffer and its views when each view is alive and
+    still its parameter's ``.grad`` ([Note: Whole gradient buffers])."""
+    buffer, views = group._owned()
+    if (
+        buffer is None
+        or any(map(is_none, views))
+        or not all(map(operator.is_, map(_GRAD, group._grad_params), views))
+    ):
+        return None
+    return buffer, views
 
 
 @dataclass(frozen=True)
@@ -39,11 +70,7 @@ class GradBuffer:
 
     buffer: torch.Tensor  # this rank's rows: every gradient of the group, padding zero
     grads: list[torch.Tensor]  # the DTensor ``.grad`` views it holds
-    info: MeshInfo  # the group's mesh: reduce a norm over ``shard_group`` only
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup:
-        return self.info.shard_group
+    info: MeshInfo  # the group's mesh: reduce a norm over its shard dim only
 
 
 def sharded_grad_buffers(
@@ -55,29 +82,20 @@ def sharded_grad_buffers(
     candidates: dict[int, tuple[object, list[torch.Tensor]]] = {}
     rest: list[torch.Tensor] = []
     for g in grads:
-        base = getattr(getattr(g, "_local_tensor", None), "_base", None)
-        ref = getattr(base, "_fsdp_rs_group", None) if base is not None else None
-        group = ref() if ref is not None else None
+        group = _group_of(g)
         if group is None:
             rest.append(g)
             continue
-        entry = candidates.get(id(base))
-        if entry is None:
-            entry = candidates[id(base)] = (group, [])
-        entry[1].append(g)
+        candidates.setdefault(id(group), (group, []))[1].append(g)
     whole: list[GradBuffer] = []
     for group, passed in candidates.values():
-        buffer, views = group._owned()
-        params = group._grad_params
-        if (
-            buffer is not None
-            and len(passed) == len(views)
-            and set(map(id, passed)) == set(map(id, views))
-            and all(map(operator.is_, map(_GRAD, params), views))
-        ):
-            whole.append(GradBuffer(buffer, passed, group.info))
-        else:
-            rest.extend(passed)
+        found = _whole(group)
+        # every view passed, once each (a gradient passed twice is scaled twice)
+        if found is not None and len(passed) == len(found[1]):
+            if set(map(id, passed)) == set(map(id, found[1])):
+                whole.append(GradBuffer(found[0], passed, group.info))
+                continue
+        rest.extend(passed)
     return whole, rest
 
 
@@ -104,23 +122,8 @@ class ShardedBuffer:
         """The group's gradient buffer when every trainable parameter's ``.grad``
         is its view ([Note: Whole gradient buffers]), else None."""
         group = self._group()
-        if group is None:
-            return None
-        buffer, views = group._owned()
-        if (
-            buffer is None
-            or any(map(is_none, views))
-            or not all(map(operator.is_, map(_GRAD, group._grad_params), views))
-        ):
-            return None
-        return buffer
-
-
-def _group_of(p: torch.Tensor):
-    base = getattr(getattr(p, "_local_tensor", None), "_base", None)
-    ref = getattr(base, "_fsdp_rs_group", None) if base is not None else None
-    group = ref() if ref is not None else None
-    return group if group is not None and group.sharded is base else None
+        found = _whole(group) if group is not None else None
+        return found[0] if found is not None else None
 
 
 def sharded_buffers(
@@ -132,7 +135,7 @@ def sharded_buffers(
     others: list[torch.Tensor] = []
     for p in params:
         group = _group_of(p)
-        if group is None:
+        if group is None or group.sharded is not p._local_tensor._base:  # not a parameter
             others.append(p)
             continue
         if id(group) in found:

@@ -117,7 +117,6 @@ import torch.distributed as dist
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
 __all__ = ["GradientReduction"]
 
@@ -129,7 +128,8 @@ _DEREF = weakref.ref.__call__
 class GradientReduction:
     """Mixed into ``FSDPParamGroup``: the gradient buffers and the post-backward.
 
-    Uses the group's plan, tables, mesh info, dtypes and the flags the API sets
+    Uses the group's plan, tables, mesh info, dtypes (``widens_grads``: [Note:
+    Wider gradient accumulation]) and the flags the API sets
     (``reduce_grads``, ``all_reduce_grads``, ``gradient_divide_factor``,
     ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
 
@@ -190,7 +190,7 @@ class GradientReduction:
         if self.unsharded_params is None:
             return
         params = self._unsharded_with_grad
-        if self._widens_grads():
+        if self.widens_grads:
             self._set_grad_dtypes(params)
         if not self.preplace_grads or self._placed:
             return
@@ -205,16 +205,6 @@ class GradientReduction:
         if self._versions is None:  # else the post-backward's reading still holds
             self._versions = list(map(_VERSION, self._grad_aliases))
         self._placed = True
-
-    def _widens_grads(self) -> bool:
-        """[Note: Wider gradient accumulation] applies to this group."""
-        reduce, compute = self.reduce_dtype, self.param_dtype
-        return (
-            reduce.is_floating_point
-            and compute.is_floating_point
-            and reduce.itemsize > compute.itemsize
-            and fsdp2_has_grad_dtype_policy()
-        )
 
     def _set_grad_dtypes(self, params: list[torch.Tensor]) -> None:
         """Autograd's accumulation dtype per unsharded parameter for this backward

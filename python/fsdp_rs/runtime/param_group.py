@@ -44,7 +44,7 @@ from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
-from fsdp_rs.runtime.policies import reduce_dtype_for
+from fsdp_rs.runtime.policies import accumulates_wider, reduce_dtype_for
 from fsdp_rs.runtime.streams import NO_STREAMS
 from fsdp_rs.runtime.unshard import ShardedState, Unsharding, post_forward_process_group
 
@@ -184,6 +184,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         cast = mp_policy.param_dtype if orig_dtype.is_floating_point else None
         self.param_dtype = cast or orig_dtype
         self.reduce_dtype = reduce_dtype_for(mp_policy, orig_dtype, self.param_dtype)
+        self.widens_grads = accumulates_wider(self.reduce_dtype, self.param_dtype)
         # [Note: Shared group layouts]
         self.layout = group_layout(
             LayoutKey(

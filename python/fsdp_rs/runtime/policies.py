@@ -31,6 +31,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "accumulates_wider",
     "fsdp2_has_grad_dtype_policy",
     "reduce_dtype_for",
 ]
@@ -45,6 +46,17 @@ def fsdp2_has_grad_dtype_policy() -> bool:
     except ImportError:  # FSDP2 moved: assume the newest semantics
         return True
     return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
+def accumulates_wider(reduce_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether backwards without sync accumulate in ``reduce_dtype`` rather than
+    the compute dtype ([Note: Wider gradient accumulation] in ``gradients.py``)."""
+    return (
+        reduce_dtype.is_floating_point
+        and compute_dtype.is_floating_point
+        and reduce_dtype.itemsize > compute_dtype.itemsize
+        and fsdp2_has_grad_dtype_policy()
+    )
 
 
 def reduce_dtype_for(
