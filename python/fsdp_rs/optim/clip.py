@@ -4,15 +4,16 @@
 ``torch.nn.utils.clip_grad_norm_`` on FSDP2's DTensor gradients takes one norm
 per gradient (a DTensor dispatch each, and a collective per gradient to turn
 each partial norm into a full one), stacks them, takes their norm, then scales
-every gradient. Here, where a group's gradients are one buffer ([Note: Whole
-gradient buffers]), the local part of the total is one ``vector_norm`` per
-buffer; the ``p``-th powers of all local parts on one mesh are summed and
-all-reduced once over its shard dimension (max for the inf-norm), the meshes'
-results are combined, and each buffer is scaled with one ``mul_``. Gradients
-outside whole buffers (replaced by the user, or only some of a group's passed)
-go through torch's own ``get_total_norm`` and ``_foreach_mul_`` and are
-combined the same way; when no gradient is in a whole buffer the result is
-torch's own, bit for bit.
+every gradient. Here each rank sums the ``p``-th powers of its local parts (max
+for the inf-norm): one ``vector_norm`` per group whose gradients are one buffer
+([Note: Whole gradient buffers]), one per local shard for the other gradients
+(replaced by the user, made by the rare per-parameter path, only some of a
+group's passed). The sums are all-reduced once per mesh and sharded mesh dim,
+keyed by the gradients' meshes in the order they were passed, and each buffer
+is scaled with one ``mul_``. Which gradients are whole buffers is a local
+observation (a rank that had no gradient for an expert gets the rare path where
+another gets a whole buffer), so it only chooses how each rank computes its
+part: the collectives are the same on every rank.
 
 Differences from torch, by design: the total sums the same elements in another
 order, so it equals torch's to fp32 rounding (relative 1e-6 is what the tests
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_rs.runtime.grad_buffers import GradBuffer, local_tensor, sharded_grad_buffers
+from fsdp_rs.runtime.grad_buffers import local_tensor, sharded_grad_buffers
 
 __all__ = ["clip_grad_norm_"]
 
@@ -45,26 +46,24 @@ def _grads_of(parameters) -> list[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
-def _local_power(buffers: list[GradBuffer], norm_type: float, device: torch.device):
-    """Sum (max for inf) over ``buffers`` of this rank's ``|x|^p`` (a 0-dim tensor)."""
-    parts = [torch.linalg.vector_norm(b.buffer, norm_type) for b in buffers]
-    parts = torch.stack([p.to(device) for p in parts])
-    if math.isinf(norm_type):
-        return parts.max()
-    return parts.pow(norm_type).sum()
+def _reduce_dims(g: torch.Tensor) -> tuple | None:
+    """(mesh, mesh dims ``g`` is sharded over): where its norm's parts are summed;
+    None for a placement other than Shard or Replicate."""
+    dims = []
+    for d, placement in enumerate(g.placements):
+        if placement.is_shard():
+            dims.append(d)
+        elif not placement.is_replicate():
+            return None
+    return g.device_mesh, tuple(dims)
 
 
-def _mesh_total(buffers: list[GradBuffer], norm_type: float) -> torch.Tensor:
-    """The ``p``-th power of the norm (the norm for inf) of the gradients of
-    ``buffers``, which share one mesh: one all-reduce over its shard dim."""
-    info = buffers[0].info
-    value = _local_power(buffers, norm_type, buffers[0].buffer.device)
-    if info.shard_size > 1:
-        on_mesh = value.to(info.device)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(on_mesh, op=op, group=info.shard_group)
-        value = on_mesh.to(value.device)
-    return value
+def _local_part(norms: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """This rank's ``sum |x|^p`` (max for inf) from per-tensor norms."""
+    if not norms:
+        return torch.zeros((), device=device)
+    parts = torch.stack([n.to(device) for n in norms])
+    return parts.max() if math.isinf(norm_type) else parts.pow(norm_type).sum()
 
 
 def clip_grad_norm_(
@@ -89,28 +88,41 @@ def clip_grad_norm_(
 
 
 def _clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
-    if not norm_type > 0:  # 0 counts nonzeros, negative orders the zero padding
+    # [Note: Clipping over group buffers] the path and the collectives follow from
+    # what every rank passes, never from which of its gradients are whole buffers
+    dtensors = [isinstance(g, DTensor) for g in grads]
+    if not norm_type > 0 or not any(dtensors):  # 0 counts nonzeros, < 0 sees padding
         return _torch_clip(grads, max_norm, norm_type, error_if_nonfinite, foreach)
-    whole, rest = sharded_grad_buffers(grads)
-    if not whole:
-        return _torch_clip(grads, max_norm, norm_type, error_if_nonfinite, foreach)
-    if any(not isinstance(g, DTensor) for g in rest):
+    if not all(dtensors):
         raise RuntimeError(
             "fsdp_rs.clip_grad_norm_: the parameters mix plain tensor gradients with "
             "fully_shard's DTensor gradients (as torch's clip_grad_norm_, which raises "
             "here too); clip the plain ones separately, or shard their module"
         )
-    device = whole[0].buffer.device
-    is_inf = math.isinf(norm_type)
-    by_mesh: dict[int, list[GradBuffer]] = {}
+    keys = [_reduce_dims(g) for g in grads]
+    if None in keys:  # e.g. Partial: torch's own path
+        return _torch_clip(grads, max_norm, norm_type, error_if_nonfinite, foreach)
+    whole, rest = sharded_grad_buffers(grads)
+    norms: dict[tuple, list[torch.Tensor]] = {key: [] for key in keys}  # grads' order
+    key_of = {id(g): key for g, key in zip(grads, keys, strict=True)}
     for b in whole:
-        by_mesh.setdefault(id(b.info.mesh), []).append(b)
-    totals = [_mesh_total(bs, norm_type) for bs in by_mesh.values()]
-    if rest:
-        norm = torch.nn.utils.get_total_norm(rest, norm_type, False, foreach)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norm = norm.to(device)
-        totals.append(norm if is_inf else norm.pow(norm_type))
+        norms[key_of[id(b.grads[0])]].append(torch.linalg.vector_norm(b.buffer, norm_type))
+    for g in rest:
+        local = g._local_tensor
+        if local.numel():  # an empty shard adds nothing (and has no inf-norm)
+            norms[key_of[id(g)]].append(torch.linalg.vector_norm(local, norm_type))
+    device = grads[0]._local_tensor.device
+    is_inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    totals = []
+    for (mesh, dims), parts in norms.items():  # the same keys, in one order, on every rank
+        value = _local_part(parts, norm_type, device)
+        if dims:
+            on_mesh = value.to(mesh.device_type)
+            for d in dims:
+                dist.all_reduce(on_mesh, op=op, group=mesh.get_group(d))
+            value = on_mesh.to(device)
+        totals.append(value)
     stacked = torch.stack(totals)
     total = stacked.max() if is_inf else stacked.sum().pow(1.0 / norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
@@ -122,7 +134,7 @@ def _clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tens
     coef = _coefficient(max_norm, total)
     _scale([b.buffer for b in whole], coef, foreach)
     _scale(rest, coef, foreach)
-    return _as_dtensor(total, [whole[0].grads[0]])
+    return _as_dtensor(total, grads)
 
 
 def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:

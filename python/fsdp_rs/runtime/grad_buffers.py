@@ -70,7 +70,6 @@ class GradBuffer:
 
     buffer: torch.Tensor  # this rank's rows: every gradient of the group, padding zero
     grads: list[torch.Tensor]  # the DTensor ``.grad`` views it holds
-    info: MeshInfo  # the group's mesh: reduce a norm over its shard dim only
 
 
 def sharded_grad_buffers(
@@ -93,7 +92,7 @@ def sharded_grad_buffers(
         # every view passed, once each (a gradient passed twice is scaled twice)
         if found is not None and len(passed) == len(found[1]):
             if set(map(id, passed)) == set(map(id, found[1])):
-                whole.append(GradBuffer(found[0], passed, group.info))
+                whole.append(GradBuffer(found[0], passed))
                 continue
         rest.extend(passed)
     return whole, rest
