@@ -88,6 +88,17 @@ SCENARIOS: dict[str, dict] = {
     "mlp_uneven": {"dims": (16, 3, 13, 2, 5)},
     "mlp_frozen": {"frozen": 2, "layout_differs": True},
     "mlp_ignored": {"ignored": 2, "layout_differs": True},
+    # frozen and trained parameters in one group (LoRA's shape): the reduction
+    # holds the trained ones only, as FSDP2's ([Note: Gradient layout]); the row
+    # alignment gaps between many parameters place elements elsewhere than
+    # FSDP2's chunk_cat, so W = 4 agrees to rounding ([Reduction order])
+    "mlp_frozen_in_group": {"frozen": 2, "root_only": True, "layout_differs": True},
+    "mlp_frozen_in_group_accumulation": {
+        "frozen": 2,
+        "root_only": True,
+        "accumulate": True,
+        "layout_differs": True,
+    },
     "mlp_hsdp": {"hsdp": True, "min_world": 4},
     "transformer_compiled_blocks": {"model": "transformer", "compile": True},
     # one group holding fp32 and (frozen, as FSDP2 requires) bf16 parameters,

@@ -30,12 +30,34 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "reshard_2": (4, {"reshard_after_forward": 2}),
     "accumulate_4_no_sync": (2, {"micro": 4}),
     "hsdp": (4, {"hsdp": True}),
+    # LoRA-like: each layer's weight frozen, its bias trained, in one group
+    "frozen_weights": (2, {"frozen_weights": True}),
+    # fsdp-rs steps fsdp_rs.optim.FlatOptimizer(AdamW), FSDP2 torch's AdamW
+    "flat_adamw": (2, {"flat": True}),
+    "flat_adamw_frozen_weights": (2, {"flat": True, "frozen_weights": True}),
 }
 
 
 def _model(dim: int, layers: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
+
+
+def _tracker():
+    """A ``MemTracker`` that also measures models with frozen parameters: torch's
+    registers a gradient hook on every parameter of a module it enters, which
+    raises for one that does not require grad. The hooks only sort gradients into
+    MemTracker's categories; the totals read here do not need them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = not all(p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(
+                module, install_grad_hooks=install_grad_hooks and not frozen
+            )
+
+    return Tracker()
 
 
 class _Meter:
@@ -45,9 +67,7 @@ class _Meter:
         self.cuda = device.type == "cuda"
         self._tracker = None
         if not self.cuda:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self._tracker = MemTracker()
+            self._tracker = _tracker()
             self._tracker.track_external(*roots)
 
     def __enter__(self) -> _Meter:
@@ -123,11 +143,20 @@ def measure(
     gc.collect()
     with contextlib.ExitStack() as stack:
         model = _model(dim, layers).to(device)
+        if options.get("frozen_weights"):
+            for block in model:
+                block[0].weight.requires_grad_(False)
         meter = stack.enter_context(_Meter(device, (model,)))
         for block in model:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
+            from fsdp_rs.optim import FlatOptimizer
+
+            opt = FlatOptimizer(trained, torch.optim.AdamW, lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(trained, lr=1e-3)
         if not meter.cuda:
             meter._tracker.track_external(model, opt)
         x = torch.randn(batch, dim, device=device)

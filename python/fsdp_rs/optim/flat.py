@@ -27,8 +27,10 @@ user's groups' hyperparameters, so ``foreach``, ``fused``, ``capturable``,
 torch, on any torch version.
 
 State: each elementwise state (``exp_avg``, ``momentum_buffer``, ...) lives in
-one flat buffer per group beside the parameters (made once, when torch first
-creates it for a run); a run's state is a slice of it, and ``self.state[p]``
+one flat buffer per group in the layout of its gradients, which holds the
+trainable parameters only ([Note: Gradient layout]: a LoRA group's states are
+the adapters' size, as torch's per-parameter states), made once, when torch
+first creates it for a run; a run's state is a slice of it, and ``self.state[p]``
 holds a DTensor view of it per parameter, so ``state_dict()`` /
 ``load_state_dict()`` are torch's per-parameter format and interchange with a
 per-parameter optimizer (and, through it, DCP). A run's scalar states (``step``)
@@ -88,8 +90,15 @@ class _Run:
 
     @property
     def span(self) -> tuple[int, int]:
+        """Where the run lies in the sharded buffer."""
         sb = self.buf.sb
         return sb.offsets[self.first], sb.offsets[self.last] + sb.numels[self.last]
+
+    @property
+    def grad_span(self) -> tuple[int, int]:
+        """Where it lies in the gradient buffer and the flat states."""
+        sb = self.buf.sb
+        return sb.grad_offsets[self.first], sb.grad_offsets[self.last] + sb.numels[self.last]
 
 
 def _entry(run: _Run) -> tuple[int, torch.Tensor, dict]:
@@ -114,10 +123,12 @@ class _GroupState:
         self.signature: bytes | None = None  # of the runs' boundaries
 
     def flat_buffer(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """The flat buffer of state ``key`` (zeros in the sharded layout, made once)."""
+        """The flat buffer of state ``key`` (zeros in the gradient layout, made once)."""
         flat = self.flat.get(key)
         if flat is None:
-            flat = self.flat[key] = torch.zeros_like(self.sb.sharded, dtype=dtype)
+            sb = self.sb
+            flat = torch.zeros(sb.grad_numel, dtype=dtype, device=sb.sharded.device)
+            self.flat[key] = flat
         return flat
 
 
@@ -191,13 +202,23 @@ class FlatOptimizer(torch.optim.Optimizer):
             return list(self._groups.values()), self._others
         found, _ = sharded_buffers([p for g in self.param_groups for p in g["params"]])
         groups: dict[int, _GroupState] = {}
+        relaid: list[_GroupState] = []
         for sb in found:
             old = next((gs for gs in self._groups.values() if _same(gs.sb.params, sb.params)), None)
             gs = _GroupState(sb)
-            if old is not None:  # same parameters (a moved buffer, or new groups)
-                gs.counts, gs.flat = old.counts, old.flat
+            if old is not None and old.sb.grad_offsets == sb.grad_offsets:
+                gs.counts, gs.flat = old.counts, old.flat  # a moved buffer, or new groups
+            elif old is not None:  # another trainable set: the states move to the new layout
+                relaid.append(gs)
             groups[id(sb.sharded)] = gs
-        index = {id(p): (gs, i) for gs in groups.values() for i, p in enumerate(gs.sb.params)}
+        # Frozen parameters have no place in the gradient layout: a .grad set on one
+        # is stepped per parameter, as torch steps it.
+        index = {
+            id(p): (gs, i)
+            for gs in groups.values()
+            for i, p in enumerate(gs.sb.params)
+            if gs.sb.grad_offsets[i] >= 0
+        }
         others: list[list[torch.Tensor]] = []
         for ug, group in enumerate(self.param_groups):
             mine = []
@@ -209,6 +230,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                     hit[0].user_group[hit[1]] = ug
             others.append(mine)
         self._groups, self._others, self._layout_key = groups, others, key
+        for gs in relaid:
+            self._import_group(gs)
         return list(groups.values()), others
 
     # ------------------------------------------------------------------ runs
@@ -248,7 +271,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             gs.runs = [self._new_run(gs, int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
             gs.signature = signature
         for run in gs.runs:
-            a, b = run.span
+            a, b = run.grad_span
             if whole is not None:
                 run.param.grad = whole[a:b]
             else:
@@ -272,10 +295,10 @@ class FlatOptimizer(torch.optim.Optimizer):
             if (
                 base is not None
                 and base.dim() == 1
-                and base.numel() == sb.sharded.numel()
+                and base.numel() == sb.grad_numel
                 and base.dtype == sb.sharded.dtype
                 and local.is_contiguous()
-                and local.storage_offset() - base.storage_offset() == sb.offsets[i]
+                and local.storage_offset() - base.storage_offset() == sb.grad_offsets[i]
             ):
                 sources[i] = id(base)
                 bases[id(base)] = base
@@ -283,7 +306,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 sources[i] = -(i + 1)  # alone
 
         def grad_of(run: _Run) -> torch.Tensor:
-            a, b = run.span
+            a, b = run.grad_span
             src = sources[run.first]
             if src > 0:
                 return bases[int(src)][a:b]
@@ -293,8 +316,10 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _new_run(self, gs: _GroupState, first: int, last: int) -> _Run:
         sb = gs.sb
-        a, b = sb.offsets[first], sb.offsets[last] + sb.numels[last]
-        run = _Run(gs, first, last, sb.sharded[a:b])
+        run = _Run(gs, first, last, None)
+        a, b = run.span
+        run.param = sb.sharded[a:b]
+        a, b = run.grad_span
         members = sb.params[first : last + 1]
         head = self.state.get(members[0])
         if not head:  # torch makes the state at this step; _adopt_state moves it
@@ -316,7 +341,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         """After a run's first step: its elementwise states move into the group's
         flat buffers, and each parameter's ``self.state`` gets views of them."""
         gs, sb = run.buf, run.buf.sb
-        a, b = run.span
+        a, b = run.grad_span
         for k, v in list(run.state.items()):
             if torch.is_tensor(v) and v.dim() == 1 and v.shape == run.param.shape:
                 flat = gs.flat_buffer(k, v.dtype)
@@ -334,7 +359,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         st = {}
         for k, v in run_state.items():
             if k in gs.flat:
-                off = sb.offsets[i]
+                off = sb.grad_offsets[i]
                 view = gs.flat[k].as_strided(local.shape, local.stride(), off)
                 st[k] = DTensor.from_local(
                     view,
@@ -361,7 +386,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         try:
             # runs with state and the parameters no group holds: one call
             entries = [_entry(run) for run in stepped if not run.fresh]
-            entries += [(ug, p, self.state[p]) for ug, mine in enumerate(others) for p in mine]
+            # (torch steps a parameter with a gradient only; none, no state entry)
+            entries += [
+                (ug, p, self.state[p])
+                for ug, mine in enumerate(others)
+                for p in mine
+                if p.grad is not None
+            ]
             self._shadow_step(entries)
             # [Note: Flat optimizer] runs whose state torch makes now: one call each,
             # moved into the flat buffers at once, so the step holds one run's
@@ -419,17 +450,25 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._layout_key = None
         groups, _ = self._layout()
         for gs in groups:
-            gs.runs, gs.signature = [], None
-            gs.counts[:] = 0
-            for i, p in enumerate(gs.sb.params):
-                st = self.state.get(p)
-                if not st:
-                    continue
-                step = st.get("step", 0)
-                gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
-                off, n = gs.sb.offsets[i], gs.sb.numels[i]
-                for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        local = local_tensor(v)
-                        gs.flat_buffer(k, local.dtype)[off : off + n].copy_(local.reshape(-1))
-                self.state[p] = self._param_state(gs, i, st)
+            self._import_group(gs)
+
+    def _import_group(self, gs: _GroupState) -> None:
+        """``_import_state`` for one group: also when its gradient layout changed
+        (another set of trainable parameters); a frozen parameter keeps its state
+        as it is."""
+        gs.runs, gs.signature = [], None
+        gs.counts[:] = 0
+        sb = gs.sb
+        for i, p in enumerate(sb.params):
+            st = self.state.get(p)
+            off = sb.grad_offsets[i]
+            if not st or off < 0:
+                continue
+            step = st.get("step", 0)
+            gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
+            n = sb.numels[i]
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    local = local_tensor(v)
+                    gs.flat_buffer(k, local.dtype)[off : off + n].copy_(local.reshape(-1))
+            self.state[p] = self._param_state(gs, i, st)

@@ -3,8 +3,8 @@
 
 [Note: Whole gradient buffers]
 A group's sharded ``.grad``s are DTensor views of one buffer in the row layout
-([Note: Sharded gradient buffer]); its padding and the rows of its frozen
-parameters hold zeros, which every reduction writes. When every view of a live
+of its trainable parameters ([Note: Sharded gradient buffer], [Note: Gradient
+layout]); its padding holds zeros, which every reduction writes. When every view of a live
 buffer is still its parameter's ``.grad`` and the caller passed every one of
 them, an elementwise operation over all of those gradients (a scale) or a
 reduction that zeros do not change (a p-norm, p > 0) can run once over the
@@ -108,14 +108,25 @@ class ShardedBuffer:
     params: list[torch.Tensor]  # the group's sharded DTensor parameters, in buffer order
     offsets: list[int]  # where each parameter's local elements start in ``sharded``
     numels: list[int]  # how many local elements it has
+    # where each trainable parameter's gradient starts in the group's gradient
+    # buffer of ``grad_numel`` elements, -1 for a frozen one ([Note: Gradient
+    # layout] in ``runtime/gradients.py``)
+    grad_offsets: list[int]
+    grad_numel: int
     info: MeshInfo
     _group: object  # weak reference to the runtime's group
+    _grad_layout: object  # the group's gradient layout these offsets are of
 
     def current(self) -> bool:
         """Whether the group still keeps its parameters in ``sharded`` (it moves
-        them to a new buffer when it adopts re-registered parameters)."""
+        them to a new buffer when it adopts re-registered parameters) and its
+        gradients in the same layout (which changes with the trainable set)."""
         group = self._group()
-        return group is not None and group.sharded is self.sharded
+        return (
+            group is not None
+            and group.sharded is self.sharded
+            and group.grad_layout is self._grad_layout
+        )
 
     def whole_grad_buffer(self) -> torch.Tensor | None:
         """The group's gradient buffer when every trainable parameter's ``.grad``
@@ -139,14 +150,21 @@ def sharded_buffers(
             continue
         if id(group) in found:
             continue
-        layout = group.layout
+        layout, grad_layout = group.layout, group.grad_layout
         numels = [math.prod(s) for s in layout.sharded_sizes]
+        grad_offsets = [-1] * len(numels)
+        if group._grad_index:
+            for i, off in zip(group._grad_index, grad_layout.row_offsets, strict=True):
+                grad_offsets[i] = off
         found[id(group)] = ShardedBuffer(
             group.sharded,
             list(group.sharded_params),
             list(layout.row_offsets),
             numels,
+            grad_offsets,
+            grad_layout.plan.row_numel,
             group.info,
             weakref.ref(group),
+            grad_layout,
         )
     return list(found.values()), others

@@ -50,6 +50,18 @@ pre-places only when its buffer fits in that: the first group of a backward,
 one larger than the last reduced, and a backward without sync take autograd's
 gradients, as FSDP2 does.
 
+[Note: Gradient layout]
+The gradient buffers (the pre-placed unsharded one, the reduce-scatter input
+and output, the sharded one the ``.grad``s view) hold the group's trainable
+parameters only, laid out as the group's own plan would lay out those
+parameters alone (``grad_layout``, the group's ``layout`` itself when every
+parameter trains). A group with frozen parameters (LoRA: a frozen base weight
+and its adapters in one module) thus reduces and keeps only the adapters'
+gradients, as FSDP2's reduce-scatter holds only the parameters that take
+gradients; rows for the frozen ones would cost the whole layer in every buffer
+and on the wire. Every row start is aligned, so a run of consecutive trainable
+parameters has the same relative offsets in both layouts.
+
 [Note: Sharded gradient buffer]
 The sharded ``.grad``s of a group are DTensor views of one buffer in the row
 layout, made at the reduction that finds every ``.grad`` None (the reduce-scatter
@@ -170,7 +182,7 @@ class GradientReduction:
             self._placed = False
             self._kept = None
         self.unsharded_grad = torch.empty(
-            self.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
+            self.grad_layout.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
         )
         storage = self.unsharded_grad.untyped_storage()
         self._grad_aliases = [
@@ -180,9 +192,14 @@ class GradientReduction:
         self._versions = None
 
     def _grad_layouts(self) -> list[tuple[int, torch.Size, tuple[int, ...]]]:
-        """(unsharded offset, shape, stride) of each parameter that takes gradients."""
-        offsets = self.plan.unsharded_offsets.tolist()
-        return [(offsets[i], self.shapes[i], self.strides[i]) for i in self._grad_index]
+        """(unsharded offset, shape, stride) of each parameter that takes gradients,
+        in the gradient layout ([Note: Gradient layout])."""
+        if not self._grad_index:
+            return []
+        layout = self.grad_layout
+        offsets = layout.plan.unsharded_offsets.tolist()
+        shapes = [self.shapes[i] for i in self._grad_index]
+        return list(zip(offsets, shapes, layout.strides, strict=True))
 
     def prepare_gradients(self) -> None:
         """Point the unsharded ``.grad``s at a zeroed gradient buffer (before the
@@ -329,7 +346,7 @@ class GradientReduction:
             return
         division = self._division()
         rs_in = self._reduce_scatter_input()
-        args = self.tables.reduce_scatter_flat_args()
+        args = self.grad_layout.tables.reduce_scatter_flat_args()
         self.ops.reduce_scatter_copy_in_flat(buffer, rs_in, *args, division.pre)
         # [Note: Reduction memory] the gradients are in the input now: free them.
         if buffer is self.unsharded_grad:
@@ -362,13 +379,11 @@ class GradientReduction:
             return
         division = self._division()
         had = [g is not None for g in grads]
-        full = [None] * len(self.shapes)
-        for i, g in zip(self._grad_index, grads, strict=True):
-            full[i] = g
+        full = list(grads)  # in the gradient layout: [Note: Gradient layout]
         grads.clear()
         rs_in = self._reduce_scatter_input()
         self.ops.reduce_scatter_copy_in(
-            full, rs_in, *self.tables.reduce_scatter_args(), division.pre
+            full, rs_in, *self.grad_layout.tables.reduce_scatter_args(), division.pre
         )
         full.clear()  # [Note: Reduction memory]
         self._free_grad_buffer()
@@ -386,7 +401,7 @@ class GradientReduction:
 
     def _reduce_scatter_input(self) -> torch.Tensor:
         self.streams.release_reduce_scatter_inputs(self)
-        rows, row = self.info.shard_size, self.plan.row_numel
+        rows, row = self.info.shard_size, self.grad_layout.plan.row_numel
         comm = self.reduce_scatter_comm  # [Note: Comm objects]
         if comm is None:
             return torch.empty(rows, row, dtype=self.reduce_dtype, device=self.device)
@@ -396,7 +411,7 @@ class GradientReduction:
     def _reduce_scatter(self, rs_in: torch.Tensor, division, had_grad: list[bool]) -> None:
         """Reduce-scatter (+ all-reduce across replicas, + the user's hook), then
         the post-reduce, on the streams of [Note: Streams]."""
-        info, plan, streams = self.info, self.plan, self.streams
+        info, plan, streams = self.info, self.grad_layout.plan, self.streams
         post = division.post
         comm = self.reduce_scatter_comm
         if self.reduce_scatter_unused_params:
@@ -500,14 +515,24 @@ class GradientReduction:
     def _new_grad_buffer(self) -> tuple[torch.Tensor, list]:
         """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
         parameter, held weakly ([Note: Sharded gradient buffer])."""
-        buffer = torch.empty_like(self.sharded)
+        buffer = self._new_sharded_grads(torch.empty)
         buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
-        local = self._local_views(buffer)
+        local = self._grad_views(buffer)
         shapes, strides = self.shapes, self.strides
-        views = [self._sharded_view(local[i], shapes[i], strides[i]) for i in self._grad_index]
+        views = [
+            self._sharded_view(t, shapes[i], strides[i])
+            for t, i in zip(local, self._grad_index, strict=True)
+        ]
         self._grad_ref = weakref.ref(buffer)
         self._view_refs = list(map(weakref.ref, views))
         return buffer, views
+
+    def _new_sharded_grads(self, make) -> torch.Tensor:
+        """A sharded buffer in the gradient layout, made by ``make`` (``torch.empty``
+        or ``torch.zeros``) where the sharded parameters live, in their dtype."""
+        sharded = self.sharded
+        numel = self.grad_layout.plan.row_numel
+        return make(numel, dtype=sharded.dtype, device=sharded.device)
 
     def _reduces_into_grad_buffer(
         self, divide: float, had_grad: list[bool], current: list[torch.Tensor | None]
@@ -553,7 +578,7 @@ class GradientReduction:
                 set_grads(self._grad_params, views)
                 return
         # Rare path (some gradients None, replaced by the user, or missing here).
-        fresh = torch.zeros_like(self.sharded)
+        fresh = self._new_sharded_grads(torch.zeros)
         self.shard_ops.post_reduce(output, fresh, divide, False)
         self._assign_from(fresh, had_grad, current)
         if not all(had_grad):
@@ -584,12 +609,12 @@ class GradientReduction:
     ) -> None:
         """Per parameter, the ``which`` ones: ``fresh`` (post-reduced, in the
         sharded layout) becomes or is added to its ``.grad``."""
-        fresh_views = self._local_views(fresh)
+        fresh_views = self._grad_views(fresh)
         for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
             if not which[k]:
                 continue
             if current[k] is None:  # a view of ``fresh``, as a fresh reduction would give
-                p.grad = self._sharded_view(fresh_views[i], self.shapes[i], self.strides[i])
+                p.grad = self._sharded_view(fresh_views[k], self.shapes[i], self.strides[i])
                 self._grad_ref = None  # views of two buffers: no whole-buffer accumulation
             else:
-                current[k]._local_tensor.add_(fresh_views[i].to(current[k].dtype))
+                current[k]._local_tensor.add_(fresh_views[k].to(current[k].dtype))

@@ -185,11 +185,19 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.param_dtype = cast or orig_dtype
         self.reduce_dtype = reduce_dtype_for(mp_policy, orig_dtype, self.param_dtype)
         self.widens_grads = accumulates_wider(self.reduce_dtype, self.param_dtype)
-        # [Note: Shared group layouts]
-        self.layout = group_layout(
+        self.layout = self._layout_of(tuple(self.shapes))  # [Note: Shared group layouts]
+        self.plan = self.layout.plan
+        self.tables = self.layout.tables
+        # Contiguous strides are those of the full, padded and sharded shapes alike.
+        self.strides = self.layout.strides
+
+    def _layout_of(self, shapes: tuple[torch.Size, ...]):
+        """The shared layout of parameters of ``shapes`` in this group's dtypes and
+        place in the mesh."""
+        return group_layout(
             LayoutKey(
-                tuple(self.shapes),
-                orig_dtype,
+                shapes,
+                self.orig_dtype,
                 self.param_dtype,
                 self.reduce_dtype,
                 self.info.shard_size,
@@ -198,10 +206,6 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 self.device,
             )
         )
-        self.plan = self.layout.plan
-        self.tables = self.layout.tables
-        # Contiguous strides are those of the full, padded and sharded shapes alike.
-        self.strides = self.layout.strides
 
     def _check_params(self, params: list[nn.Parameter]) -> None:
         devices = set(map(_DEVICE, params))
@@ -319,6 +323,14 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         layout = self.layout
         return list(map(buffer.as_strided, layout.sharded_sizes, self.strides, layout.row_offsets))
 
+    def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's shard of every trainable param, viewed in a buffer of the
+        gradient layout ([Note: Gradient layout])."""
+        layout = self.grad_layout
+        return list(
+            map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets)
+        )
+
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         dtype = self.sharded.dtype
         distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
@@ -336,6 +348,11 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters
+        # [Note: Gradient layout]
+        if not self._grad_index or len(self._grad_index) == len(self.shapes):
+            self.grad_layout = self.layout
+        else:
+            self.grad_layout = self._layout_of(tuple(self.shapes[i] for i in self._grad_index))
 
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced
