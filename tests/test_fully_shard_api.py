@@ -101,7 +101,15 @@ def test_meta_init_then_to_empty_and_reset(gloo1):
     with torch.device("meta"):
         model = mlp()
     shard(model)
-    with pytest.raises(RuntimeError, match="meta device"):
+    # FSDP2's message, naming the first group's parameters under the root
+    expected = (
+        "FSDP parameters should be materialized from meta device before training, but the "
+        r"following were still on meta device: \['0.weight', '0.bias'\]"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        model(torch.ones(2, 5))
+    model[0].to_empty(device="cpu")  # one group materialized, the next one named
+    with pytest.raises(RuntimeError, match=r"still on meta device: \['2.weight', '2.bias'\]"):
         model(torch.ones(2, 5))
     model.to_empty(device="cpu")
     torch.manual_seed(0)

@@ -232,7 +232,7 @@ def _undo_lazy_init(states: Iterable[Any]) -> None:
         state.is_root = False
 
 
-def _param_fqn(names: list[str], fqn: str) -> str:
+def param_fqn(names: list[str], fqn: str) -> str:
     """A group parameter's fqn under the root (``[i].`` names the i-th module of
     a group over several)."""
     base = names[0]
@@ -247,7 +247,7 @@ def _details(state, names: list[str]) -> dict:
     for group in _groups(state):
         rg = map(_REQUIRES_GRAD, group.sharded_params)
         for fqn, shape, req in zip(group.managed.fqns, group.shapes, rg, strict=True):
-            params.append((_param_fqn(names, fqn), tuple(shape), str(group.orig_dtype), req))
+            params.append((param_fqn(names, fqn), tuple(shape), str(group.orig_dtype), req))
     return {
         "modules": names,
         "settings": _settings(state),

@@ -40,7 +40,7 @@ from fsdp_rs.runtime.compile import eager_hook
 from fsdp_rs.runtime.containers import map_tensors, tensors_in
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
-from fsdp_rs.runtime.plan_check import check_plans
+from fsdp_rs.runtime.plan_check import check_plans, param_fqn
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
@@ -141,8 +141,10 @@ class FSDPState:
             return
         states: list[FSDPState] = []
         seen: set[int] = set()
+        name_of: dict[int, str] = {}
         for root in self.modules:
             for name, module in root.named_modules():
+                name_of.setdefault(id(module), name)
                 state = state_of(module)
                 if state is None or id(state) in seen:
                     continue
@@ -164,11 +166,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.adopt_registered()
                 if state.group.on_meta:
-                    raise RuntimeError(
-                        "fsdp_rs: parameters are still on the meta device; materialize them "
-                        "before forward: model.to_empty(device=...) then reset_parameters() on "
-                        "each module, or load a checkpoint"
-                    )
+                    raise _still_on_meta(state, name_of)
         groups = [state.group for state in states if state.group is not None]
         streams = NO_STREAMS
         if groups:
@@ -402,6 +400,24 @@ class FSDPState:
         context.streams.end_of_backward()
         if context.is_last_backward:
             context.forward_order = []  # otherwise the next backward prefetches by it
+
+
+def _still_on_meta(state: FSDPState, name_of: dict[int, str]) -> RuntimeError:
+    """FSDP2's error for a group with parameters on the meta device at the first
+    forward, naming them under the root, and how to materialize them."""
+    names = [name_of.get(id(m), "") for m in state.modules]
+    meta = [
+        param_fqn(names, fqn)
+        for group in getattr(state.group, "groups", (state.group,))
+        for fqn, p in zip(group.managed.fqns, group.managed.registered(), strict=True)
+        if getattr(p, "_local_tensor", p).is_meta
+    ]
+    return RuntimeError(
+        "FSDP parameters should be materialized from meta device before training, but the "
+        f"following were still on meta device: {meta}. Materialize them before the first "
+        "forward: model.to_empty(device=...) then reset_parameters() on each module (or "
+        "init_weights()), or load a checkpoint"
+    )
 
 
 def _is_tensor(x: Any) -> bool:
