@@ -119,6 +119,12 @@ SCENARIOS: dict[str, dict] = {
         "streams": True,
     },
     "mlp_hsdp_streams": {"hsdp": True, "min_world": 4, "streams": True},
+    "mlp_frozen_in_group_streams": {
+        "frozen": 2,
+        "root_only": True,
+        "streams": True,
+        "layout_differs": True,
+    },
     "mlp_reshard_int_streams": {
         "kwargs": {"reshard_after_forward": 2},
         "min_world": 4,
