@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
 
@@ -385,6 +386,61 @@ def chunked_loss(world_size: int, rank: int) -> dict:
             "params": _shards(model),
             "sharded_after_forward": sharded_after_forward,
         }
+    return out
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the all-gathers and reduce-scatters issued inside it (what
+    torch's CommDebugMode counts, without its module tracking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket._qualified_op_name
+        if "allgather" in name or "reduce_scatter" in name:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Normed(Trunk):
+    """Hugging Face's causal LM shape: the forward runs norm, then head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(x))
+
+
+def group_of_two(world_size: int, rank: int) -> dict:
+    """One group over [norm, head] (accelerate and torchtitan shard the final
+    norm with the output head), both run in forward, bf16 parameters and
+    reduction, two micro-steps without sync: one reduce-scatter per group per
+    synced backward and FSDP2's bits ([Note: Groups over several modules])."""
+    out = {}
+    for lib in LIBS:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = Normed()
+        mesh = _mesh(world_size, False)
+        shard = LIBS[lib]
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for block in model.blocks:
+            shard(block, mesh=mesh, mp_policy=mp)
+        shard([model.norm, model.head], mesh=mesh, mp_policy=mp)
+        shard(model, mesh=mesh, mp_policy=mp)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, counts = [], []
+        for step in range(3):
+            with _Collectives() as seen:
+                for micro in range(2):
+                    model.set_requires_gradient_sync(micro == 1)
+                    loss = model(_inputs(rank, step, micro)).float().pow(2).mean()
+                    loss.backward()
+                    losses.append(loss.item())
+            counts.append(seen.counts)
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "params": _shards(model), "counts": counts}
     return out
 
 
@@ -797,6 +853,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "param_dtype_override": (param_dtype_override, {}),
     "meta_init": (meta_init, {}),
     "chunked_loss": (chunked_loss, {}),
+    "group_of_two": (group_of_two, {}),
     "custom_comms": (api_setting, {"setting": "custom_comms"}),
     "divide_factor": (api_setting, {"setting": "divide_factor"}),
     "separate_rs_group": (api_setting, {"setting": "separate_rs_group"}),

@@ -147,6 +147,21 @@ def test_group_whose_modules_did_not_all_run(results):
         assert r["rs"]["sharded_after_forward"] == [True] * 3
 
 
+def test_group_of_two_modules_reduces_once(results):
+    """fully_shard([norm, head]) with both run in forward, bf16 gradients
+    accumulated without sync: FSDP2's bits and collective counts (one
+    reduce-scatter per group per synced backward; the old per-call reduction
+    ran two and summed in another order)."""
+    for rank, r in _each_rank(results, "group_of_two"):
+        _assert_same(rank, r["rs"], r["torch"], keys=["losses", "params"])
+        (first, *rest), (ref_first, *ref_rest) = r["rs"]["counts"], r["torch"]["counts"]
+        assert rest == ref_rest, f"rank {rank}"
+        # the first forward's lazy init adds the plan check's all-gather
+        # ([Note: Cross-rank plan check])
+        ag = "c10d::_allgather_base_"
+        assert first == {**ref_first, ag: ref_first[ag] + 1}, f"rank {rank}"
+
+
 @pytest.mark.parametrize("name", ["jvp", "jvp_reshard"])
 def test_forward_mode_ad(results, name):
     """torch.func.jvp through the sharded model (no forward before it), then a

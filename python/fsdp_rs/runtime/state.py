@@ -10,6 +10,19 @@ others), adopts parameters replaced since ``fully_shard`` (``to_empty``,
 ``load_state_dict(assign=True)``), and checks that every rank of its mesh
 planned the same groups ([Note: Cross-rank plan check]).
 
+[Note: Groups over several modules]
+A group over several modules (``fully_shard([norm, lm_head])``) reduces once
+per backward, as FSDP2 does: only the call that begins the group's forward
+(the first of its modules to run) registers the post-backward on its inputs,
+whose gradients are complete once every later module of the group ran
+backward. Each module call still registers the pre-backward on its outputs.
+A module of the group whose backward comes after that point (modules on
+parallel branches, a module called again later) leaves its gradients on the
+unsharded parameters and the end-of-backward callback reduces them. Reducing
+per module call instead cost a reduce-scatter, a reshard and an all-gather
+more per backward, and summed the group's gradients in another order than
+FSDP2 (bf16 gradient accumulation then differed by a few ulps).
+
 [Note: Backward hooks]
 Before a module's backward, a multi-grad hook on its forward outputs unshards
 its group (unless still unsharded) and prefetches the group that ran before it
@@ -206,7 +219,8 @@ class FSDPState:
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
-        if group is not None and not self._modules_ran:
+        starts = group is not None and not self._modules_ran  # the group's forward begins
+        if starts:
             if torch.is_grad_enabled():
                 order = self.context.forward_order
                 self._forward_index = len(order)
@@ -217,7 +231,7 @@ class FSDPState:
                 if other.group is not None:
                     other.group.prefetch()
         self._call_hooked = False
-        if torch.is_grad_enabled() and group is not None:
+        if starts and torch.is_grad_enabled():  # [Note: Groups over several modules]
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
