@@ -67,12 +67,13 @@ def _mesh(world_size: int, hsdp: bool):
     return init_device_mesh("cpu", (world_size,))
 
 
-def _net(seed: int = 0) -> Net:
-    """The model at a seed; one construction at a time, so that ranks run as
-    threads of one process build the same weights from the global RNG."""
+def _net(seed: int = 0, cls: type[nn.Module] = Net) -> nn.Module:
+    """The model (``cls()``) at a seed; one construction at a time, so that
+    ranks run as threads of one process build the same weights from the
+    global RNG."""
     with _BUILD_LOCK:
         torch.manual_seed(seed)
-        return Net()
+        return cls()
 
 
 def _sharded(lib: str, model: nn.Module, mesh, **kwargs) -> nn.Module:
@@ -418,9 +419,7 @@ def group_of_two(world_size: int, rank: int) -> dict:
     synced backward and FSDP2's bits ([Note: Groups over several modules])."""
     out = {}
     for lib in LIBS:
-        with _BUILD_LOCK:
-            torch.manual_seed(0)
-            model = Normed()
+        model = _net(0, Normed)
         mesh = _mesh(world_size, False)
         shard = LIBS[lib]
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -664,9 +663,7 @@ def unused_params(world_size: int, rank: int) -> dict:
     .grad (zeros where no rank used it), so AdamW's weight decay moves all."""
     out = {}
     for lib in LIBS:
-        with _BUILD_LOCK:
-            torch.manual_seed(0)
-            model = Sometimes()
+        model = _net(0, Sometimes)
         mesh = _mesh(world_size, False)
         shard = LIBS[lib]
         for block in model.blocks:

@@ -98,6 +98,11 @@ def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> D
     return param
 
 
+def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
+    """This rank's shard of each of ``layout``'s params in a buffer of its rows."""
+    return list(map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets))
+
+
 _EXTENSION = "fsdp_pre_all_gather"
 
 
@@ -320,16 +325,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
-        layout = self.layout
-        return list(map(buffer.as_strided, layout.sharded_sizes, self.strides, layout.row_offsets))
+        return _views(buffer, self.layout)
 
     def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every trainable param, viewed in a buffer of the
         gradient layout ([Note: Gradient layout])."""
-        layout = self.grad_layout
-        return list(
-            map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets)
-        )
+        return _views(buffer, self.grad_layout)
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         dtype = self.sharded.dtype

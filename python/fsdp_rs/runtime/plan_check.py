@@ -83,7 +83,7 @@ def check_plans(root, states: Sequence[Any]) -> None:
     each root's lazy init, after ``reshard_after_forward`` is resolved."""
     if not enabled():
         return
-    if not any(_groups(s) for s in states):
+    if not any(groups_of(s) for s in states):
         return  # no parameters: no collective to protect
     # The mesh given to the root's fully_shard (the root state comes first), on
     # every rank the same process groups whatever meshes the states below use.
@@ -105,7 +105,7 @@ def check_plans(root, states: Sequence[Any]) -> None:
 # ------------------------------------------------------------------ what is hashed
 
 
-def _groups(state) -> tuple:
+def groups_of(state) -> tuple:
     """The parameter groups of ``state``: none, one, or a bundle's."""
     group = state.group
     if group is None:
@@ -163,7 +163,7 @@ def _mp_text(state) -> str:
 
 def _settings(state) -> list[tuple[str, str]]:
     """A state's settings that every rank must share, in the order reported."""
-    groups = _groups(state)
+    groups = groups_of(state)
     if not groups:
         return []
     return [
@@ -191,7 +191,7 @@ class _Digests:
     def state(self, state, names: list[str]) -> bytes:
         h = hashlib.blake2b(digest_size=8)
         h.update(repr((names, _settings(state))).encode())
-        for group in _groups(state):
+        for group in groups_of(state):
             h.update(self._plan(group.plan))
             h.update(group.layout.first_dims)
             h.update("\0".join(group.managed.fqns).encode())
@@ -244,7 +244,7 @@ def param_fqn(names: list[str], fqn: str) -> str:
 
 def _details(state, names: list[str]) -> dict:
     params = []
-    for group in _groups(state):
+    for group in groups_of(state):
         rg = map(_REQUIRES_GRAD, group.sharded_params)
         for fqn, shape, req in zip(group.managed.fqns, group.shapes, rg, strict=True):
             params.append((param_fqn(names, fqn), tuple(shape), str(group.orig_dtype), req))
@@ -252,7 +252,7 @@ def _details(state, names: list[str]) -> dict:
         "modules": names,
         "settings": _settings(state),
         "params": params,
-        "plans": [(g.plan.fingerprint(), g.plan.row_numel) for g in _groups(state)],
+        "plans": [(g.plan.fingerprint(), g.plan.row_numel) for g in groups_of(state)],
     }
 
 

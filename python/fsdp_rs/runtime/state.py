@@ -51,9 +51,10 @@ from fsdp_rs.runtime.agreement import GradientAgreement
 from fsdp_rs.runtime.backward_order import BackwardOrder
 from fsdp_rs.runtime.compile import eager_hook
 from fsdp_rs.runtime.containers import map_tensors, tensors_in
+from fsdp_rs.runtime.grad_buffers import local_tensor
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
-from fsdp_rs.runtime.plan_check import check_plans, param_fqn
+from fsdp_rs.runtime.plan_check import check_plans, groups_of, param_fqn
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
@@ -422,9 +423,9 @@ def _still_on_meta(state: FSDPState, name_of: dict[int, str]) -> RuntimeError:
     names = [name_of.get(id(m), "") for m in state.modules]
     meta = [
         param_fqn(names, fqn)
-        for group in getattr(state.group, "groups", (state.group,))
+        for group in groups_of(state)
         for fqn, p in zip(group.managed.fqns, group.managed.registered(), strict=True)
-        if getattr(p, "_local_tensor", p).is_meta
+        if local_tensor(p).is_meta
     ]
     return RuntimeError(
         "FSDP parameters should be materialized from meta device before training, but the "
