@@ -525,22 +525,37 @@ def test_reset_iter_state_on_a_nested_module_raises(gloo1):
     model.reset_iter_state()
 
 
-def test_all_gather_extensions_are_refused(gloo1):
-    """FSDP2's all-gather extensions are not run by fsdp-rs: refused loudly at
-    fully_shard (on the parameter) or at the first forward (on its shard)."""
+def test_all_gather_extension_refills_its_unsharded_parameter(gloo1):
+    """An all-gather extension's post-all-gather makes the unsharded parameter
+    once, then refills that same object (``out=``) at every later unshard,
+    as FSDP2 calls it ([Note: All-gather extensions])."""
+    outs = []
 
-    class Extended(torch.Tensor):
-        def fsdp_pre_all_gather(self, *args):
-            raise AssertionError("not reached")
+    def pre(self, mesh):
+        return (self * 2,), ("meta", mesh.ndim)
 
-    lin = nn.Linear(4, 4)
-    lin.weight = nn.Parameter(lin.weight.detach().as_subclass(Extended))
-    with pytest.raises(NotImplementedError, match="all-gather extension"):
-        fully_shard(lin)
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        assert metadata == ("meta", 1)
+        outs.append(out)
+        (gathered,) = outputs
+        if out is not None:
+            with torch.no_grad():
+                out.copy_(gathered / 2)
+            return None
+        half = gathered / 2
+        return half, (gathered, half)
+
     model = fully_shard(nn.Linear(4, 4))
-    model.weight._local_tensor.fsdp_pre_all_gather = lambda *args: None
-    with pytest.raises(NotImplementedError, match="all-gather extension"):
-        model(torch.randn(2, 4))
+    local = model.weight._local_tensor
+    local.fsdp_pre_all_gather = pre.__get__(local)
+    local.fsdp_post_all_gather = post.__get__(local)
+    x = torch.randn(2, 4)
+    expected = x @ model.weight.to_local().detach().T + model.bias.to_local().detach()
+    for _ in range(2):
+        y = model(x)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        y.sum().backward()  # reshards
+    assert len(outs) == 2 and outs[0] is None and isinstance(outs[1], nn.Parameter)
 
 
 def test_misuse_raises_as_fsdp2(fake2):

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
+from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -114,15 +115,18 @@ def fully_shard(
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        keys = _group_keys(managed, mp_policy)
+        # [Note: One group per dtype], and one for parameters with all-gather
+        # extensions ([Note: All-gather extensions])
+        extension = list(map(has_extension, managed.params))
+        keys = list(zip(_group_keys(managed, mp_policy), extension, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
-        policies = [_policy_for(mp_policy, key) for key in dict.fromkeys(keys)]
         pin = offload and offload_policy.pin_memory
         groups = [
-            FSDPParamGroup(part, modules, info, policy, offload, pin, post_forward)
-            for part, policy in zip(parts, policies, strict=True)
+            (ExtensionParamGroup if key[1] else FSDPParamGroup)(
+                part, modules, info, _policy_for(mp_policy, key[0]), offload, pin, post_forward
+            )
+            for part, key in zip(parts, dict.fromkeys(keys), strict=True)
         ]
-        # [Note: One group per dtype]
         group = groups[0] if len(groups) == 1 else GroupBundle(groups)
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # The originals, which other modules may still register (a shared

@@ -35,6 +35,13 @@ class MeshInfo:
         return (Replicate(), Shard(0))
 
     @cached_property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (the mesh itself for FSDP)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        return self.mesh[self.mesh.mesh_dim_names[1]]
+
+    @cached_property
     def device(self) -> torch.device:
         if self.mesh.device_type == "cpu":
             return torch.device("cpu")

@@ -103,19 +103,7 @@ def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
     return list(map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets))
 
 
-_EXTENSION = "fsdp_pre_all_gather"
-
-
-def check_no_extension(fqn: str, t: torch.Tensor) -> None:
-    """FSDP2's all-gather extensions (a tensor subclass or a local shard with
-    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, e.g. float8 training)
-    are not implemented: refused loudly, never all-gathered as plain data."""
-    if hasattr(t, _EXTENSION):
-        raise NotImplementedError(
-            f"fully_shard: parameter {fqn} defines fsdp_pre_all_gather (an FSDP2 all-gather "
-            f"extension, {type(t).__name__}); fsdp-rs does not run all-gather extensions "
-            "yet: shard this module with torch's fully_shard, or use a plain tensor"
-        )
+_EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 
 class FSDPParamGroup(Unsharding, GradientReduction):
@@ -235,11 +223,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             and all(map(torch.Tensor.dim, params))
             and all(map(is_copyable, map(_DTYPE, params)))
             and all(map(torch.Tensor.is_contiguous, params))
-            and not any(map(hasattr, params, itertools.repeat(_EXTENSION)))
         ):
             return
         for fqn, p in zip(self.managed.fqns, params, strict=True):
-            check_no_extension(fqn, p)
             if isinstance(p, DTensor):
                 raise ValueError(
                     f"fully_shard: parameter {fqn} is already a DTensor (sharded by another "
@@ -398,11 +384,18 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.managed.swap(self.sharded_params)
 
     def check_extensions(self) -> None:
-        """At lazy init: no all-gather extension was set on a local shard since
-        ``fully_shard`` (see ``check_no_extension``)."""
-        for fqn, p in zip(self.managed.fqns, self.managed.registered(), strict=True):
-            if isinstance(p, DTensor):
-                check_no_extension(fqn, p._local_tensor)
+        """At lazy init: a local shard given an all-gather extension since
+        ``fully_shard`` makes this an ``ExtensionParamGroup`` ([Note: All-gather
+        extensions])."""
+        registered = self.managed.registered()
+        if any(isinstance(p, DTensor) and hasattr(p._local_tensor, _EXTENSION) for p in registered):
+            self.become_extension_group()
+            self.check_extensions()
+
+    def become_extension_group(self) -> None:
+        from fsdp_rs.runtime.extensions import ExtensionParamGroup
+
+        ExtensionParamGroup.become_extension_group(self)
 
     @property
     def on_meta(self) -> bool:

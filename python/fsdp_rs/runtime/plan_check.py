@@ -193,6 +193,7 @@ class _Digests:
         h.update(repr((names, _settings(state))).encode())
         for group in groups_of(state):
             h.update(self._plan(group.plan))
+            h.update(type(group).__name__.encode())  # [Note: All-gather extensions]
             h.update(group.layout.first_dims)
             h.update("\0".join(group.managed.fqns).encode())
             h.update(bytes(map(_REQUIRES_GRAD, group.sharded_params)))
@@ -252,7 +253,9 @@ def _details(state, names: list[str]) -> dict:
         "modules": names,
         "settings": _settings(state),
         "params": params,
-        "plans": [(g.plan.fingerprint(), g.plan.row_numel) for g in groups_of(state)],
+        "plans": [
+            (type(g).__name__, g.plan.fingerprint(), g.plan.row_numel) for g in groups_of(state)
+        ],
     }
 
 
@@ -289,6 +292,12 @@ def _param_text(item: tuple | None) -> str:
     return f"shape {shape}, dtype {dtype}, requires_grad={requires_grad}"
 
 
+def _listed(params: list) -> str:
+    """``parameters 'a', 'b', 'c', ...``: the first three of a group's."""
+    more = ", ..." if len(params) > 3 else ""
+    return "parameters " + ", ".join(repr(p[0]) for p in params[:3]) + more
+
+
 def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str:
     """What differs first in the state at ``index``: its presence, modules, a
     parameter (by fqn), a setting, the parameters' order, then the plan."""
@@ -320,11 +329,7 @@ def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str
     for key in dict.fromkeys(key for d in present for key, _ in d["settings"]):
         values = [(r, dict(d["settings"]).get(key)) for r, d in details]
         if len({str(v) for _, v in values}) > 1:
-            params = present[0]["params"]
-            listed = ", ".join(repr(p[0]) for p in params[:3]) + (
-                ", ..." if len(params) > 3 else ""
-            )
-            return f"{group} (parameters {listed}), {key}:" + _per_rank(values)
+            return f"{group} ({_listed(present[0]['params'])}), {key}:" + _per_rank(values)
     orders = [(r, [p[0] for p in d["params"]]) for r, d in details]
     for position in range(max(len(o) for _, o in orders)):
         at = [(r, o[position] if position < len(o) else None) for r, o in orders]
@@ -334,6 +339,13 @@ def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str
                 f"{group}, parameter {first!r}: the parameters are registered in another "
                 f"order; parameter {position} of the group is" + _per_rank(at)
             )
+    kinds = [(r, [plan[0] for plan in d["plans"]]) for r, d in details]
+    if len({str(k) for _, k in kinds}) > 1:  # [Note: All-gather extensions]
+        return (
+            f"{group} ({_listed(present[0]['params'])}): all-gather extensions "
+            "(fsdp_pre_all_gather) are set on the local "
+            "shards of some ranks only; set them on every rank:" + _per_rank(kinds)
+        )
     plans = [(r, f"plan digests {d['plans']}") for r, d in details]
     return (
         f"{group}: the plans differ although the parameters agree (are all ranks "

@@ -1,0 +1,391 @@
+"""FSDP2's all-gather extensions: a parameter whose local shard defines
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (a tensor subclass such as
+torchao's float8 weights, or methods set on a plain local tensor).
+
+[Note: All-gather extensions]
+An extension decides what is all-gathered and how the unsharded parameter is
+made from it: ``fsdp_pre_all_gather(mesh[, outer_size, outer_stride, module,
+mp_policy])`` returns ``(inputs, metadata)``, any number of tensors of any
+dtypes (float8 data and its scales, say); after the all-gather,
+``fsdp_post_all_gather(outputs, metadata, param_dtype)`` returns the unsharded
+tensor and the tensors to free at reshard, and on later unshards is called
+with ``out=`` the unsharded parameter made the first time, to refill it in
+place. fsdp-rs calls them as FSDP2 does: the mesh is the shard mesh (1-D under
+HSDP), ``outer_size`` and ``outer_stride`` the full parameter's, ``module``
+the module that registers the parameter, the all-gather outputs are kept
+across unshards (their storage freed and re-allocated, so an unsharded tensor
+that aliases them stays valid) and passed as ``(world * rows, *rest)``.
+
+Such a group (``ExtensionParamGroup``) cannot use the row-layout buffers: the
+local shards are the user's tensors (a subclass's chunks, kept as FSDP2 keeps
+them) and the all-gather inputs are whatever the extension returns. So its
+unshard is per parameter around one collective: every input is packed into
+one byte buffer (dtypes may differ) and all-gathered once, then copied out to
+its parameter's outputs. Parameters of the group without an extension take
+FSDP2's default there (their padded shard, cast to the parameter dtype). The
+gradient side is the group's own (``GradientReduction``), planned over the
+parameters' shapes: a gradient that is itself a subclass is read into a plain
+tensor first, by its own dispatch, and the sharded ``.grad``s are plain
+DTensors, as FSDP2's. Gradients are not pre-placed ([Note: Pre-placed
+gradients]): a plain alias cannot stand for a subclass's gradient.
+
+A subclass is recognised at ``fully_shard`` (its parameters form a group of
+their own, [Note: One group per dtype]); methods set on a local shard after
+``fully_shard`` (FSDP2's test patches them after ``to_empty``) are found at
+lazy init, where the group becomes an ``ExtensionParamGroup`` in place (the
+same object: the state, the bundle and the flags set on it stay valid).
+``reshard_after_forward=int`` reshards such a group fully after forward: FSDP2
+has no post-forward shard of an extension's outputs either.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_rs.runtime.collectives import all_gather
+from fsdp_rs.runtime.param_group import FSDPParamGroup
+from fsdp_rs.runtime.params import alias_storage
+from fsdp_rs.runtime.unshard import ShardedState, outside_functorch
+
+__all__ = ["ExtensionParamGroup", "has_extension"]
+
+_PRE = "fsdp_pre_all_gather"
+_POST = "fsdp_post_all_gather"
+
+
+def has_extension(t: torch.Tensor) -> bool:
+    return hasattr(t, _PRE)
+
+
+def _check_pair(fqn: str, t: torch.Tensor) -> None:
+    if hasattr(t, _PRE) != hasattr(t, _POST):
+        raise ValueError(
+            f"fully_shard: the local shard of parameter {fqn} ({type(t).__name__}) defines "
+            f"only one of {_PRE} and {_POST}; an all-gather extension needs both"
+        )
+
+
+def _alloc(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A subclass gradient read into a plain tensor (by its own dispatch)."""
+    if grad is None or type(grad) is torch.Tensor:
+        return grad
+    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    out.copy_(grad)
+    return out
+
+
+class ExtensionParamGroup(FSDPParamGroup):
+    """A parameter group whose parameters (some or all) use all-gather
+    extensions; see [Note: All-gather extensions]."""
+
+    def _init_gradients(self) -> None:
+        super()._init_gradients()
+        self.preplace_grads = False
+
+    # ------------------------------------------------------------------ init
+
+    def _build_sharded(self, params: list[nn.Parameter]) -> None:
+        """Each local shard is this rank's chunk of the parameter, made by the
+        parameter's own type (a subclass stays one), padded to the chunk size
+        and narrowed back, as FSDP2 makes it."""
+        rank = self.info.shard_rank
+        chunk_rows = self.plan.chunk_rows.tolist()
+        sharded_rows = self.plan.sharded_rows.tolist()
+        locals_ = []
+        with torch.no_grad():
+            for p, chunk, rows in zip(params, chunk_rows, sharded_rows, strict=True):
+                data = p.detach()
+                padded = data.new_zeros((chunk, *data.shape[1:]))
+                if rows:
+                    start = chunk * rank
+                    padded[:rows].copy_(data[start : start + rows])
+                if self.offload_to_cpu and not padded.is_meta:
+                    padded = padded.cpu()
+                    if self.pin_memory:
+                        padded = padded.pin_memory()
+                locals_.append(padded[:rows])
+        self.sharded = self._dtype_carrier(locals_)
+        self._make_sharded_params(self.requires_grad, locals_)
+        self.managed.swap(self.sharded_params)
+        self._reset_unsharded()
+
+    def _dtype_carrier(self, locals_: list[torch.Tensor]) -> torch.Tensor:
+        """``self.sharded`` of this group: no data (the local shards hold it), only
+        the dtype and device the gradient side reads."""
+        device = locals_[0].device if locals_ else self.shard_device
+        return torch.empty(0, dtype=self.orig_dtype, device=device)
+
+    def _reset_unsharded(self) -> None:
+        self.unsharded_params = None
+        self._outputs: list[list[torch.Tensor]] = []  # per param, kept across unshards
+        self._inner: list[list[torch.Tensor]] = []  # per param, freed at reshard
+        self._owners: list[nn.Module] | None = None
+
+    def become_extension_group(self) -> None:
+        """A plain group whose local shards gained extensions after
+        ``fully_shard``: the same object, now this class; the shards stay where
+        they are (views of the old sharded buffer, which they keep alive)."""
+        if self.state != ShardedState.SHARDED or self._pending_unshard is not None:
+            self.reshard()
+        self.state = ShardedState.SHARDED
+        self._post_forward_rows = self._post_forward_event = None
+        if self.unsharded_params is not None and self._placed:
+            self._free_grad_buffer()
+        self.__class__ = ExtensionParamGroup
+        self.preplace_grads = False
+        self.sharded = self._dtype_carrier([p._local_tensor for p in self.sharded_params])
+        self._reset_unsharded()
+
+    def check_extensions(self) -> None:
+        for fqn, p in zip(self.managed.fqns, self.managed.registered(), strict=True):
+            if isinstance(p, DTensor):
+                _check_pair(fqn, p._local_tensor)
+
+    @property
+    def on_meta(self) -> bool:
+        return any(
+            p._local_tensor.is_meta for p in self.managed.registered() if isinstance(p, DTensor)
+        )
+
+    def adopt_registered(self) -> None:
+        """FSDP2's re-reading of the registered parameters: the local shards are
+        read at each unshard, so only new objects or a new dtype matter here;
+        see [Note: Adopting registered parameters]."""
+        if self.state == ShardedState.UNSHARDED:
+            return
+        current = self.managed.registered()
+        for fqn, p in zip(self.managed.fqns, current, strict=True):
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"fsdp_rs: parameter {fqn} was replaced by a {type(p).__name__}; after "
+                    "fully_shard, load sharded state (DTensors) or use load_state_dict "
+                    "without assign=True"
+                )
+        locals_ = [p._local_tensor for p in current]
+        if any(t.is_meta for t in locals_):
+            return
+        self._check_adopted(current, locals_)
+        changed = any(a is not b for a, b in zip(current, self.sharded_params, strict=True))
+        if locals_[0].dtype != self.orig_dtype:
+            self._set_dtypes(locals_[0].dtype)
+            changed = True
+        if self.sharded.device != locals_[0].device or self.sharded.dtype != self.orig_dtype:
+            self.sharded = self._dtype_carrier(locals_)
+        if changed:
+            self.sharded_params = current
+            self._read_requires_grad()
+            self._reset_unsharded()
+            self.managed.swap(self.sharded_params)
+
+    # --------------------------------------------------------------- unshard
+
+    def _owner_modules(self) -> list[nn.Module]:
+        """The module registering each parameter (FSDP2 passes it to the
+        pre-all-gather)."""
+        if self._owners is None:
+            by_dict = {}
+            for root in self.modules:
+                for m in root.modules():
+                    by_dict.setdefault(id(m._parameters), m)
+            first: dict[int, nn.Module] = {}
+            for d, i in zip(self.managed.slot_dicts, self.managed.slot_index, strict=True):
+                first.setdefault(i, by_dict.get(id(d)))
+            self._owners = [first[i] for i in range(len(self.shapes))]
+        return self._owners
+
+    def _inputs_of(self, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
+        """Parameter ``i``'s all-gather inputs (each with ``chunk`` rows) and
+        metadata."""
+        if local.device != self.device:  # CPU offload
+            local = local.to(self.device, non_blocking=True)
+        pre = getattr(local, _PRE, None)
+        if pre is None:  # FSDP2's default: the padded shard in the parameter dtype
+            return [self._padded(local.to(self.param_dtype), chunk)], None
+        arity = len(inspect.signature(pre).parameters)
+        if arity == 1:
+            inputs, metadata = pre(self.info.shard_mesh)
+        elif arity == 5:
+            owner = self._owner_modules()[i]
+            inputs, metadata = pre(
+                self.info.shard_mesh, self.shapes[i], self.strides[i], owner, self.mp_policy
+            )
+        else:
+            raise TypeError(
+                f"fsdp_rs: {_PRE} of parameter {self.managed.fqns[i]} takes {arity} "
+                "arguments; it must be fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, "
+                "outer_size, outer_stride, module, mp_policy)"
+            )
+        inputs = list(inputs)
+        for k, t in enumerate(inputs):
+            if t.dim() == 0 or t.size(0) not in (chunk, local.size(0)):
+                raise ValueError(
+                    f"fsdp_rs: {_PRE} of parameter {self.managed.fqns[i]} returned an input "
+                    f"of shape {tuple(t.shape)}; each input must have this rank's rows "
+                    f"({local.size(0)}) or the padded chunk's ({chunk}) in dim 0"
+                )
+            inputs[k] = self._padded(t, chunk)
+        return inputs, metadata
+
+    @staticmethod
+    def _padded(t: torch.Tensor, chunk: int) -> torch.Tensor:
+        t = t.contiguous()
+        if t.size(0) == chunk:
+            return t
+        padded = t.new_zeros((chunk, *t.shape[1:]))
+        padded[: t.size(0)].copy_(t)
+        return padded
+
+    @outside_functorch
+    def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
+        if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
+            return
+        streams, info = self.streams, self.info
+        copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
+        chunk_rows = self.plan.chunk_rows.tolist()
+        with streams.on(copy_in_stream), torch.no_grad():
+            per_param = [
+                self._inputs_of(i, p._local_tensor, chunk)
+                for i, (p, chunk) in enumerate(zip(self.sharded_params, chunk_rows, strict=True))
+            ]
+            inputs = [t for ins, _ in per_param for t in ins]
+            # One byte buffer: the inputs may have several dtypes.
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+        if ag_stream is not None:
+            ag_stream.wait_stream(copy_in_stream)
+        comm = self.all_gather_comm  # [Note: Comm objects]
+        work = None
+        with streams.on(ag_stream):
+            if comm is not None:
+                out = comm.allocate(
+                    (info.shard_size * flat.numel(),), dtype=torch.uint8, device=self.device
+                )
+                work = comm(
+                    output_tensor=out, input_tensor=flat, group=info.shard_group, async_op=async_op
+                )
+            elif info.shard_size > 1:
+                out = torch.empty(
+                    info.shard_size * flat.numel(), dtype=torch.uint8, device=self.device
+                )
+                work = all_gather(out, flat, group=info.shard_group, async_op=async_op)
+            else:
+                out = flat
+            event = streams.record(ag_stream)
+        metadata = [(ins, meta) for ins, meta in per_param]
+        self._pending_unshard = (work if async_op else None, out, event, flat, metadata)
+
+    @outside_functorch
+    def wait_for_unshard(self, defer_release: bool = False) -> None:
+        if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
+            return
+        if self._pending_unshard is None:
+            self.unshard()
+        work, out, event, flat, per_param = self._pending_unshard
+        self._pending_unshard = None
+        streams = self.streams
+        if defer_release:
+            streams.flush_all_gather()
+        streams.wait_current(event)
+        if work is not None:
+            work.wait()
+        world = self.info.shard_size
+        gathered = out.view(world, -1)
+        first = self.unsharded_params is None
+        if first:
+            self._read_requires_grad()
+            self._outputs = [
+                [torch.empty(world * t.numel(), dtype=t.dtype, device=self.device) for t in ins]
+                for ins, _ in per_param
+            ]
+            self._inner = [[] for _ in per_param]
+            params: list[nn.Parameter] = []
+        offset = 0
+        with torch.no_grad():
+            for i, (inputs, metadata) in enumerate(per_param):
+                outputs = self._outputs[i]
+                for t, o in zip(inputs, outputs, strict=True):
+                    nbytes = t.numel() * t.element_size()
+                    _alloc(o)
+                    with torch.autograd._unsafe_preserve_version_counter(o):
+                        o.view(world, -1).view(torch.uint8).copy_(
+                            gathered[:, offset : offset + nbytes]
+                        )
+                    offset += nbytes
+                unflat = tuple(
+                    o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
+                )
+                local = self.sharded_params[i]._local_tensor
+                post = getattr(local, _POST, None)
+                if first:
+                    params.append(self._new_unsharded(i, post, unflat, metadata))
+                elif post is not None:
+                    for t in self._inner[i]:
+                        _alloc(t)
+                    post(unflat, metadata, self.param_dtype, out=self.unsharded_params[i])
+        if first:
+            self.unsharded_params = params
+            self._unsharded_with_grad = [params[i] for i in self._grad_index]
+        streams.release_after((out, flat), streams.record(), defer_release and work is None)
+        self.state = ShardedState.UNSHARDED
+        self.managed.swap(self.unsharded_params)
+
+    def _new_unsharded(self, i: int, post, unflat: tuple, metadata) -> nn.Parameter:
+        shape, stride, rg = self.shapes[i], self.strides[i], self.requires_grad[i]
+        if post is None:  # the all-gather output is the parameter's data
+            out = self._outputs[i][0]
+            return nn.Parameter(alias_storage(out.untyped_storage(), out, 0, shape, stride), rg)
+        result = post(unflat, metadata, self.param_dtype)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(
+                f"fsdp_rs: {_POST} of parameter {self.managed.fqns[i]} returned "
+                f"{type(result).__name__}; called without out=, it must return "
+                "(unsharded_tensor, tensors_to_free)"
+            )
+        tensor, to_free = result
+        self._inner[i] = list(to_free)
+        return nn.Parameter(torch.as_strided(tensor, shape, stride, 0), rg)
+
+    # --------------------------------------------------------------- reshard
+
+    @outside_functorch
+    def reshard(self, after_forward: bool = False) -> None:
+        if self._pending_unshard is not None:
+            self.wait_for_unshard()
+        if self.state != ShardedState.UNSHARDED:
+            return
+        for t in itertools.chain(*self._outputs, *self._inner):
+            _free(t)
+        self.state = ShardedState.SHARDED
+        self.managed.swap(self.sharded_params)
+
+    def discard_unshard_state(self) -> None:
+        pending, self._pending_unshard = self._pending_unshard, None
+        if pending is not None:
+            work, _, event, _, _ = pending
+            if work is not None:
+                work.wait()
+            self.streams.wait_current(event)
+        self.reshard()
+
+    # ------------------------------------------------------------- gradients
+
+    def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
+        grads[:] = map(_plain, grads)
+        if self._accumulated is not None:
+            self._accumulated = list(map(_plain, self._accumulated))
+        super()._reduce_list(grads)
