@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_rs.runtime.grad_buffers import local_tensor, sharded_grad_buffers
 
@@ -51,7 +52,8 @@ def _reduce_dims(g: torch.Tensor) -> tuple | None:
     None for a placement other than Shard or Replicate."""
     dims = []
     for d, placement in enumerate(g.placements):
-        if placement.is_shard():
+        # torch >= 2.13's _StridedShard (FSDP over tensor parallelism) is no Shard
+        if placement.is_shard() or isinstance(placement, _StridedShard):
             dims.append(d)
         elif not placement.is_replicate():
             return None
@@ -105,6 +107,12 @@ def _clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tens
     whole, rest = sharded_grad_buffers(grads)
     norms: dict[tuple, list[torch.Tensor]] = {key: [] for key in keys}  # grads' order
     key_of = {id(g): key for g, key in zip(grads, keys, strict=True)}
+    # A buffer whose gradients are summed over different mesh dims (tensor-parallel
+    # ones next to replicated ones, [Note: DTensor parameters]) goes per gradient.
+    mixed = [len({key_of[id(g)] for g in b.grads}) > 1 for b in whole]
+    if any(mixed):
+        rest = rest + [g for b, m in zip(whole, mixed, strict=True) if m for g in b.grads]
+        whole = [b for b, m in zip(whole, mixed, strict=True) if not m]
     for b in whole:
         norms[key_of[id(b.grads[0])]].append(torch.linalg.vector_norm(b.buffer, norm_type))
     for g in rest:

@@ -69,9 +69,16 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard the parameters of ``module`` (or of a list of modules, as one group)
     over ``mesh`` and return it with its class swapped to ``FSDP<Cls>``.
+
+    Parameters that are DTensors (tensor or expert parallelism) are sharded over
+    the data-parallel mesh on top of their own placements; with ``dp_mesh_dims``
+    (``torch.distributed.fsdp.DataParallelMeshDims``) ``mesh`` is the full mesh
+    the parameters live on and those of its dims are data parallel ([Note:
+    DTensor parameters]).
 
     Apply it bottom-up (blocks first, then the root): each call manages the
     parameters not already managed by an inner call."""
@@ -100,7 +107,7 @@ def fully_shard(
         raise TypeError(
             f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
         )
-    info = mesh_info(mesh)
+    info = mesh_info(mesh, dp_mesh_dims)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
     if shard_placement_fn is not None:

@@ -126,6 +126,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
@@ -135,6 +136,13 @@ __all__ = ["GradientReduction"]
 _VERSION = operator.attrgetter("_version")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _DEREF = weakref.ref.__call__
+
+
+def _local_grad(nd, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """What is reduced of an unsharded gradient ([Note: DTensor parameters])."""
+    if nd is None or grad is None or not isinstance(grad, DTensor):
+        return grad
+    return nd.local_grad(grad)
 
 
 class GradientReduction:
@@ -360,6 +368,10 @@ class GradientReduction:
         if self._accumulated_buffer is not None:
             self._accumulated = self._buffer_as_list(*self._accumulated_buffer)
             self._accumulated_buffer = None
+        if self._grad_nd is not None:  # [Note: DTensor parameters]
+            grads[:] = map(_local_grad, self._grad_nd, grads)
+            if self._accumulated is not None:
+                self._accumulated = list(map(_local_grad, self._grad_nd, self._accumulated))
         dtype = self.reduce_dtype
         if self._accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
@@ -518,11 +530,7 @@ class GradientReduction:
         buffer = self._new_sharded_grads(torch.empty)
         buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
         local = self._grad_views(buffer)
-        shapes, strides = self.shapes, self.strides
-        views = [
-            self._sharded_view(t, shapes[i], strides[i])
-            for t, i in zip(local, self._grad_index, strict=True)
-        ]
+        views = list(map(self._sharded_view, local, self._grad_index))
         self._grad_ref = weakref.ref(buffer)
         self._view_refs = list(map(weakref.ref, views))
         return buffer, views
@@ -614,7 +622,7 @@ class GradientReduction:
             if not which[k]:
                 continue
             if current[k] is None:  # a view of ``fresh``, as a fresh reduction would give
-                p.grad = self._sharded_view(fresh_views[k], self.shapes[i], self.strides[i])
+                p.grad = self._sharded_view(fresh_views[k], i)
                 self._grad_ref = None  # views of two buffers: no whole-buffer accumulation
             else:
                 current[k]._local_tensor.add_(fresh_views[k].to(current[k].dtype))

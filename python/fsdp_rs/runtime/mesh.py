@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,11 @@ class MeshInfo:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    # ``dp_mesh_dims``: the full mesh passed (``mesh`` is then its DP dims) and
+    # the DataParallelMeshDims naming them ([Note: DTensor parameters])
+    spmd_mesh: DeviceMesh | None = None
+    dp_dims: Any = None
+    shard_mesh_: DeviceMesh | None = None
 
     @cached_property
     def placements(self) -> tuple:
@@ -37,6 +43,8 @@ class MeshInfo:
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard dim (the mesh itself for FSDP)."""
+        if self.shard_mesh_ is not None:
+            return self.shard_mesh_
         if self.mesh.ndim == 1:
             return self.mesh
         return self.mesh[self.mesh.mesh_dim_names[1]]
@@ -101,10 +109,10 @@ def per_mesh(mesh: DeviceMesh) -> dict:
     return entry[1]
 
 
-def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
+def mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: Any = None) -> MeshInfo:
     """The groups, sizes and ranks of ``mesh`` (the default 1-D mesh for None),
     read once per mesh object. Not the MeshInfo itself is kept: it references
-    the mesh."""
+    the mesh. With ``dp_mesh_dims``, those of its data-parallel dims."""
     if mesh is None:
         mesh = default_mesh()
     if not isinstance(mesh, DeviceMesh):
@@ -113,6 +121,8 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
             f"{type(mesh).__name__}; build one with init_device_mesh(device_type, (world_size,)) "
             "or (replicas, shards) for HSDP"
         )
+    if dp_mesh_dims is not None:
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     kept = per_mesh(mesh)
     groups = kept.get("groups")
     if groups is None:
@@ -139,3 +149,49 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple:
         f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: use a 1-D mesh (FSDP) "
         "or a 2-D mesh (replicate, shard) for HSDP"
     )
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
+    """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the DP dims of the full
+    mesh, checked as FSDP2 checks them ([Note: DTensor parameters])."""
+    shard, replicate = _names(dims.shard), _names(dims.replicate)
+    if not shard and not replicate:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in shard + replicate:
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}"
+            )
+    if not shard:
+        raise NotImplementedError(
+            "fully_shard: dp_mesh_dims with replicate dims only (DDP) is not supported by "
+            "fsdp-rs; name a shard dim (FSDP / HSDP)"
+        )
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims names several shard or replicate dims ({shard}, "
+            f"{replicate}); fsdp-rs takes one of each: flatten them into one mesh dim"
+        )
+    shard_mesh = mesh[shard[0]]
+    group = shard_mesh.get_group(0)
+    rep_group, rep_size, dp_mesh = None, 1, shard_mesh
+    if replicate:
+        rep_mesh = mesh[replicate[0]]
+        rep_group, rep_size = rep_mesh.get_group(0), rep_mesh.size()
+        concatenate = getattr(DeviceMesh, "_concatenate", None)
+        if concatenate is not None:
+            dp_mesh = concatenate([rep_mesh, shard_mesh])
+        else:
+            dp_mesh = mesh[(replicate[0], shard[0])]
+    info = MeshInfo(
+        dp_mesh, group, group.size(), group.rank(), rep_group, rep_size, mesh, dims, shard_mesh
+    )
+    return info

@@ -43,6 +43,7 @@ from fsdp_rs.ops import EagerOps
 from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
+from fsdp_rs.runtime.nd import dtensor_params
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
 from fsdp_rs.runtime.policies import accumulates_wider, reduce_dtype_for
 from fsdp_rs.runtime.streams import NO_STREAMS
@@ -122,12 +123,16 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.info = info
         self.device = info.device
         params = managed.params
+        # [Note: DTensor parameters] their local tensors are what is sharded
+        self.nd = dtensor_params(managed.fqns, params, info)
+        self.requires_grad = list(map(_REQUIRES_GRAD, params))
+        if self.nd is not None:
+            params = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
         self._check_params(params)
         self.mp_policy = mp_policy
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
-        self.shapes = list(map(_SHAPE, params))
-        self.requires_grad = list(map(_REQUIRES_GRAD, params))
+        self.shapes = list(map(_SHAPE, params))  # of what is sharded (local shapes)
         self.post_forward_size = post_forward_size
         self._set_dtypes(params[0].dtype)
         self.ops = EagerOps(self.device)  # [Note: Eager op calls]
@@ -162,6 +167,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         # (all-gather output, first row, rows) this rank keeps at a post-forward reshard
         self._ag_rows: tuple[torch.Tensor, int, int] | None = None
         self._init_gradients()
+        if self.nd is not None:
+            self.preplace_grads = False  # autograd hands over DTensors
         self._build_sharded(params)
 
     # ------------------------------------------------------------------ init
@@ -219,18 +226,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 )
         # C-level passes first; the loop below names the first offender.
         if (
-            not any(map(isinstance, params, itertools.repeat(DTensor)))
-            and all(map(torch.Tensor.dim, params))
+            all(map(torch.Tensor.dim, params))
             and all(map(is_copyable, map(_DTYPE, params)))
             and all(map(torch.Tensor.is_contiguous, params))
         ):
             return
         for fqn, p in zip(self.managed.fqns, params, strict=True):
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"fully_shard: parameter {fqn} is already a DTensor (sharded by another "
-                    "fully_shard or tensor parallelism); fsdp-rs shards plain tensors only"
-                )
             if p.dim() == 0:
                 raise ValueError(
                     f"fully_shard doesn't support scalar parameters (FSDP shards dim 0). "
@@ -305,9 +306,17 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         )
         torch._foreach_copy_(views, sources)
 
-    def _sharded_view(self, local: torch.Tensor, shape: torch.Size, stride) -> DTensor:
-        """A DTensor (not a parameter) over ``local``, this rank's shard."""
-        return _dtensor(local, self._specs(shape, stride, local.dtype))
+    def _spec_of(self, i: int, dtype: torch.dtype) -> DTensorSpec:
+        """The spec of parameter ``i``'s sharded DTensor (or gradient) in ``dtype``."""
+        nd = self.nd[i] if self.nd is not None else None
+        if nd is not None:
+            return nd.sharded_spec(dtype)
+        return self._specs(self.shapes[i], self.strides[i], dtype)
+
+    def _sharded_view(self, local: torch.Tensor, i: int) -> DTensor:
+        """A DTensor (not a parameter) over ``local``, this rank's shard of
+        parameter ``i``."""
+        return _dtensor(local, self._spec_of(i, local.dtype))
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
@@ -320,9 +329,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         dtype = self.sharded.dtype
-        distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
-        spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
-        specs = list(map(spec_of.__getitem__, self.shapes))
+        if self.nd is not None:
+            specs = [self._spec_of(i, dtype) for i in range(len(self.shapes))]
+        else:
+            distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
+            spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
+            specs = list(map(spec_of.__getitem__, self.shapes))
         self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
         self._read_requires_grad()
         self.unsharded_params: list[nn.Parameter] | None = None
@@ -335,6 +347,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters
+        self._grad_nd = None if self.nd is None else [self.nd[i] for i in self._grad_index]
         # [Note: Gradient layout]
         if not self._grad_index or len(self._grad_index) == len(self.shapes):
             self.grad_layout = self.layout
@@ -375,9 +388,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         views = self._local_views(self.sharded)
         with torch.no_grad():
             torch._foreach_copy_(views, locals_)
-        for p, view in zip(current, views, strict=True):
+        for i, (p, view) in enumerate(zip(current, views, strict=True)):
             p._local_tensor = view
-            p._spec = self._specs(p.shape, p.stride(), view.dtype)
+            p._spec = self._spec_of(i, view.dtype)
         self.sharded_params = current
         self._read_requires_grad()
         self.unsharded_params = None
@@ -409,11 +422,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         for, this rank's shard of each, one dtype."""
         sizes = self.layout.sharded_sizes
         for i, (fqn, p, t) in enumerate(zip(self.managed.fqns, params, locals_, strict=True)):
-            if p.shape != self.shapes[i] or tuple(p.stride()) != tuple(self.strides[i]):
+            spec = self._spec_of(i, p.dtype)
+            shape, stride = spec.tensor_meta.shape, spec.tensor_meta.stride
+            if p.shape != shape or tuple(p.stride()) != tuple(stride):
                 raise ValueError(
                     f"fsdp_rs: parameter {fqn} was replaced by a DTensor of shape "
                     f"{tuple(p.shape)} (stride {p.stride()}); it was sharded with shape "
-                    f"{tuple(self.shapes[i])}, contiguous: load state of the same model"
+                    f"{tuple(shape)}, stride {tuple(stride)}: load state of the same model"
                 )
             if tuple(t.shape) != tuple(sizes[i]):
                 raise ValueError(
@@ -445,6 +460,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 offsets, self.shapes, self.strides, self.requires_grad, strict=True
             )
         ]
+        if self.nd is not None:  # [Note: DTensor parameters]
+            self.unsharded_params = [
+                p if nd is None else _parameter(p.detach(), nd.unsharded_spec(p.dtype), rg)
+                for p, nd, rg in zip(
+                    self.unsharded_params, self.nd, self.requires_grad, strict=True
+                )
+            ]
         self._unsharded_with_grad = [self.unsharded_params[i] for i in self._grad_index]
         if self.preplace_grads:
             self._make_grad_aliases()

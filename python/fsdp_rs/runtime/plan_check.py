@@ -197,6 +197,8 @@ class _Digests:
             h.update(group.layout.first_dims)
             h.update("\0".join(group.managed.fqns).encode())
             h.update(bytes(map(_REQUIRES_GRAD, group.sharded_params)))
+            if group.nd is not None:  # [Note: DTensor parameters]
+                h.update(repr([None if d is None else d.placements for d in group.nd]).encode())
         return h.digest()
 
 
