@@ -308,8 +308,12 @@ def test_bad_input(fake2):
         mixed.bias = nn.Parameter(torch.empty(3))
     with pytest.raises(ValueError, match="different devices"):
         fully_shard(mixed)
-    with pytest.raises(NotImplementedError, match="dim 0 only"):
+    with pytest.raises(AssertionError, match="Shard dim 1 is invalid for 1D tensor"):  # as FSDP2
         fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
+        fully_shard(nn.Linear(3, 3, bias=False), shard_placement_fn=lambda p: Shard(-1))
+    with pytest.raises(ValueError, match="Invalid shard_placement_fn result"):
+        fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: 1)
     scalar = nn.Module()
     scalar.s = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="Change s to a 1D tensor"):

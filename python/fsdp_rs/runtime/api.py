@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
@@ -24,6 +25,7 @@ from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.shard_dim import ShardDimGroup, check_shard_dim
 from fsdp_rs.runtime.state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -110,30 +112,28 @@ def fully_shard(
     info = mesh_info(mesh, dp_mesh_dims)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
-    if shard_placement_fn is not None:
-        for fqn, p in zip(managed.fqns, managed.params, strict=True):
-            placement = shard_placement_fn(p)
-            dim = getattr(placement, "dim", 0) if placement is not None else 0
-            if dim != 0:
-                raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {placement} for {fqn}; fsdp-rs "
-                    "shards dim 0 only: return None or Shard(0)"
-                )
+    dims = _shard_dims(managed, shard_placement_fn, info.shard_size)
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
         # [Note: One group per dtype], and one for parameters with all-gather
         # extensions ([Note: All-gather extensions])
+        # and one for those sharded on another dim ([Note: Sharding on another dim])
         extension = list(map(has_extension, managed.params))
-        keys = list(zip(_group_keys(managed, mp_policy), extension, strict=True))
+        other_dim = [d != 0 for d in dims]
+        keys = list(zip(_group_keys(managed, mp_policy), extension, other_dim, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
         pin = offload and offload_policy.pin_memory
-        groups = [
-            (ExtensionParamGroup if key[1] else FSDPParamGroup)(
-                part, modules, info, _policy_for(mp_policy, key[0]), offload, pin, post_forward
-            )
-            for part, key in zip(parts, dict.fromkeys(keys), strict=True)
-        ]
+        groups = []
+        for part, key in zip(parts, dict.fromkeys(keys), strict=True):
+            args = (part, modules, info, _policy_for(mp_policy, key[0]), offload, pin)
+            if key[1]:
+                groups.append(ExtensionParamGroup(*args, post_forward))
+            elif key[2]:
+                part_dims = [d for d, k in zip(dims, keys, strict=True) if k == key]
+                groups.append(ShardDimGroup(*args, None, dims=part_dims))
+            else:
+                groups.append(FSDPParamGroup(*args, post_forward))
         group = groups[0] if len(groups) == 1 else GroupBundle(groups)
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # The originals, which other modules may still register (a shared
@@ -154,6 +154,33 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
+
+
+def _shard_dims(managed, shard_placement_fn, world: int) -> list[int]:
+    """Per parameter the dim FSDP shards (``shard_placement_fn``: None or
+    ``Shard(d)``, negative ``d`` counted from the end), checked as FSDP2 checks
+    it."""
+    if shard_placement_fn is None:
+        return [0] * len(managed.params)
+    dims = []
+    for fqn, p in zip(managed.fqns, managed.params, strict=True):
+        placement = shard_placement_fn(p)
+        mesh_info = getattr(placement, "mesh_info", None)  # torch >= 2.13's ShardPlacementResult
+        if mesh_info is not None:
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned a ShardPlacementResult for {fqn}; "
+                "fsdp-rs shards every parameter of a call over the mesh passed: return "
+                "None or Shard(d)"
+            )
+        placement = getattr(placement, "placement", placement)
+        if placement is None:
+            dims.append(0)
+            continue
+        if not isinstance(placement, Shard):
+            raise ValueError(f"Invalid shard_placement_fn result: {placement} (parameter {fqn})")
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        dims.append(check_shard_dim(fqn, local.shape, placement.dim, world))
+    return dims
 
 
 def _group_keys(managed, mp_policy: MixedPrecisionPolicy) -> list:

@@ -128,7 +128,7 @@ def _dp_placement(spec: DTensorSpec, shard_dim: int, after: range) -> Shard:
     return _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
 
 
-def _tp(fqn: str, p: DTensor, info: MeshInfo) -> DTensorParam:
+def _tp(fqn: str, p: DTensor, info: MeshInfo, dim: int) -> DTensorParam:
     """TP / EP: the parameter's mesh is other dims of the DP mesh's root."""
     spec = p._spec
     if len(spec.placements) > 2:
@@ -143,13 +143,13 @@ def _tp(fqn: str, p: DTensor, info: MeshInfo) -> DTensorParam:
             f"other dims of the root mesh of the data-parallel mesh {info.mesh}; slice both "
             "from one init_device_mesh(..., mesh_dim_names=...) mesh"
         ) from e
-    split = spec.num_shards_map[0]
-    dp = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    split = spec.num_shards_map[dim]
+    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     dims = (Replicate(), dp) if info.replicate_group is not None else (dp,)
     return DTensorParam(spec, mesh, (*dims, *spec.placements))
 
 
-def _spmd(fqn: str, p: DTensor, info: MeshInfo) -> DTensorParam:
+def _spmd(fqn: str, p: DTensor, info: MeshInfo, dim: int) -> DTensorParam:
     """``dp_mesh_dims``: the parameter lives on the mesh passed, replicated on
     the DP dims."""
     spec = p._spec
@@ -175,19 +175,20 @@ def _spmd(fqn: str, p: DTensor, info: MeshInfo) -> DTensorParam:
         )
     placements = list(spec.placements)
     for i in shard_idx:
-        placements[i] = _dp_placement(spec, 0, range(i + 1, mesh.ndim))
+        placements[i] = _dp_placement(spec, dim, range(i + 1, mesh.ndim))
     return DTensorParam(spec, mesh, tuple(placements), frozenset(shard_idx + replicate_idx))
 
 
 def dtensor_params(
-    fqns: list[str], params: list[torch.Tensor], info: MeshInfo
+    fqns: list[str], params: list[torch.Tensor], info: MeshInfo, dims: list[int] | None = None
 ) -> list[DTensorParam | None] | None:
     """Per parameter its ``DTensorParam`` (None for a plain one); None when
     all are plain (the usual case) and no ``dp_mesh_dims`` was given."""
     if info.spmd_mesh is None and not any(isinstance(p, DTensor) for p in params):
         return None
     out: list[DTensorParam | None] = []
-    for fqn, p in zip(fqns, params, strict=True):
+    dims = dims or [0] * len(params)
+    for fqn, p, dim in zip(fqns, params, dims, strict=True):
         if not isinstance(p, DTensor):
             if info.spmd_mesh is not None:
                 raise ValueError(
@@ -197,5 +198,6 @@ def dtensor_params(
                 )
             out.append(None)
             continue
-        out.append(_spmd(fqn, p, info) if info.spmd_mesh is not None else _tp(fqn, p, info))
+        make = _spmd if info.spmd_mesh is not None else _tp
+        out.append(make(fqn, p, info, dim))
     return out

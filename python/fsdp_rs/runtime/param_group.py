@@ -124,7 +124,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.device = info.device
         params = managed.params
         # [Note: DTensor parameters] their local tensors are what is sharded
-        self.nd = dtensor_params(managed.fqns, params, info)
+        self.nd = dtensor_params(managed.fqns, params, info, getattr(self, "dims", None))
         self.requires_grad = list(map(_REQUIRES_GRAD, params))
         if self.nd is not None:
             params = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
@@ -132,7 +132,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.mp_policy = mp_policy
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
-        self.shapes = list(map(_SHAPE, params))  # of what is sharded (local shapes)
+        # of what is sharded (local shapes), as planned
+        self.shapes = self._planned_shapes(list(map(_SHAPE, params)))
         self.post_forward_size = post_forward_size
         self._set_dtypes(params[0].dtype)
         self.ops = EagerOps(self.device)  # [Note: Eager op calls]
@@ -306,6 +307,24 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         )
         torch._foreach_copy_(views, sources)
 
+    def _planned_shapes(self, shapes: list[torch.Size]) -> list[torch.Size]:
+        """The shapes the group is planned in: the parameters' own (see
+        ``ShardDimGroup`` for others)."""
+        return shapes
+
+    def _local_shape(self, i: int) -> torch.Size:
+        """This rank's shard of parameter ``i``."""
+        return torch.Size(self.layout.sharded_sizes[i])
+
+    def _sharded_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
+        """The spec of every sharded parameter, one per distinct shape where
+        all are plain."""
+        if self.nd is not None:
+            return [self._spec_of(i, dtype) for i in range(len(self.shapes))]
+        distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
+        spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
+        return list(map(spec_of.__getitem__, self.shapes))
+
     def _spec_of(self, i: int, dtype: torch.dtype) -> DTensorSpec:
         """The spec of parameter ``i``'s sharded DTensor (or gradient) in ``dtype``."""
         nd = self.nd[i] if self.nd is not None else None
@@ -328,13 +347,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         return _views(buffer, self.grad_layout)
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
-        dtype = self.sharded.dtype
-        if self.nd is not None:
-            specs = [self._spec_of(i, dtype) for i in range(len(self.shapes))]
-        else:
-            distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
-            spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
-            specs = list(map(spec_of.__getitem__, self.shapes))
+        specs = self._sharded_specs(self.sharded.dtype)
         self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
         self._read_requires_grad()
         self.unsharded_params: list[nn.Parameter] | None = None
@@ -420,7 +433,6 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     def _check_adopted(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
         """What ``adopt_registered`` can take: the shapes the group was planned
         for, this rank's shard of each, one dtype."""
-        sizes = self.layout.sharded_sizes
         for i, (fqn, p, t) in enumerate(zip(self.managed.fqns, params, locals_, strict=True)):
             spec = self._spec_of(i, p.dtype)
             shape, stride = spec.tensor_meta.shape, spec.tensor_meta.stride
@@ -430,11 +442,11 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     f"{tuple(p.shape)} (stride {p.stride()}); it was sharded with shape "
                     f"{tuple(shape)}, stride {tuple(stride)}: load state of the same model"
                 )
-            if tuple(t.shape) != tuple(sizes[i]):
+            if tuple(t.shape) != tuple(self._local_shape(i)):
                 raise ValueError(
                     f"fsdp_rs: parameter {fqn} was replaced by a DTensor whose local shard "
                     f"has shape {tuple(t.shape)}; this rank's shard has shape "
-                    f"{tuple(sizes[i])}: load state sharded over the same mesh (Shard(0))"
+                    f"{tuple(self._local_shape(i))}: load state sharded over the same mesh and dims"
                 )
         dtypes = {t.dtype for t in locals_}
         if len(dtypes) > 1:

@@ -194,6 +194,10 @@ class Unsharding:
         )
         return flat.view(rows, row)
 
+    def _copy_out(self, ag: torch.Tensor) -> None:
+        """The all-gather output's rows into the unsharded buffer."""
+        self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+
     @outside_functorch
     def wait_for_unshard(self, defer_release: bool = False) -> None:
         """Finish the unshard (start it first if needed): wait for the all-gather,
@@ -213,7 +217,7 @@ class Unsharding:
         if work is not None:
             work.wait()
         self._alloc_unsharded()
-        self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
+        self._copy_out(ag)
         # Rows for a post-forward reshard: only outside backward, which reshards to
         # SHARDED; in backward the all-gather output is freed now, as FSDP2 frees it.
         if self.post_forward_group is not None and torch._C._current_graph_task_id() == -1:
