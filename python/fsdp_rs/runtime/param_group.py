@@ -312,6 +312,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         ``ShardDimGroup`` for others)."""
         return shapes
 
+    def _unsharded_shapes(self) -> tuple[list, list]:
+        """(shapes, strides) of the unsharded parameters' local tensors."""
+        return self.shapes, self.strides
+
     def _local_shape(self, i: int) -> torch.Size:
         """This rank's shard of parameter ``i``."""
         return torch.Size(self.layout.sharded_sizes[i])
@@ -466,11 +470,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         )
         offsets = plan.unsharded_offsets.tolist()
         storage = self.unsharded.untyped_storage()
+        shapes, strides = self._unsharded_shapes()
         self.unsharded_params = [
             nn.Parameter(alias_storage(storage, self.unsharded, off, s, st), requires_grad=rg)
-            for off, s, st, rg in zip(
-                offsets, self.shapes, self.strides, self.requires_grad, strict=True
-            )
+            for off, s, st, rg in zip(offsets, shapes, strides, self.requires_grad, strict=True)
         ]
         if self.nd is not None:  # [Note: DTensor parameters]
             self.unsharded_params = [

@@ -27,13 +27,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_rs.runtime.errors import FSDPUsageError
-from fsdp_rs.runtime.param_group import FSDPParamGroup, _parameter
-from fsdp_rs.runtime.params import alias_storage
+from fsdp_rs.runtime.param_group import FSDPParamGroup
 
 __all__ = ["ShardDimGroup", "check_shard_dim"]
 
@@ -129,22 +127,8 @@ class ShardDimGroup(FSDPParamGroup):
         for f, v, d in zip(full, views, self.dims, strict=True):
             v.copy_(f.chunk(world, d)[rank])
 
-    def _make_unsharded_params(self) -> None:
-        super()._make_unsharded_params()
-        # the base made them in the planned (permuted) shapes: re-view them
-        storage = self.unsharded.untyped_storage()
-        offsets = self.plan.unsharded_offsets.tolist()
-        params = [
-            nn.Parameter(alias_storage(storage, self.unsharded, off, s, _contiguous(s)), rg)
-            for off, s, rg in zip(offsets, self.full_shapes, self.requires_grad, strict=True)
-        ]
-        if self.nd is not None:
-            params = [
-                p if nd is None else _parameter(p.detach(), nd.unsharded_spec(p.dtype), rg)
-                for p, nd, rg in zip(params, self.nd, self.requires_grad, strict=True)
-            ]
-        self.unsharded_params = params
-        self._unsharded_with_grad = [params[i] for i in self._grad_index]
+    def _unsharded_shapes(self) -> tuple[list, list]:
+        return self.full_shapes, list(map(_contiguous, self.full_shapes))
 
     def _copy_out(self, ag: torch.Tensor) -> None:
         world = ag.size(0)
