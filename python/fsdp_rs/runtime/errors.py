@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["FSDPUsageError"]
+__all__ = ["FSDPMeshError", "FSDPUsageError"]
 
 
 class FSDPUsageError(ValueError, AssertionError):
@@ -10,3 +10,10 @@ class FSDPUsageError(ValueError, AssertionError):
     of one module, a 2-D mesh without dim names, ``copy.deepcopy``): to fsdp-rs
     a ``ValueError``, as all bad input, and an ``AssertionError`` too, so that
     code written against FSDP2 catches it."""
+
+
+class FSDPMeshError(ValueError, TypeError, RuntimeError):
+    """A parameter's DTensor mesh that does not combine with the data-parallel
+    mesh. FSDP2 fails there inside ``DeviceMesh._concatenate``, with a
+    ``TypeError`` or a ``RuntimeError`` depending on the meshes; to fsdp-rs a
+    ``ValueError`` naming the parameter, and both of those too."""

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp_rs.runtime.errors import FSDPMeshError
 from fsdp_rs.runtime.mesh import MeshInfo
 
 __all__ = ["DTensorParam", "dtensor_params"]
@@ -138,7 +139,7 @@ def _tp(fqn: str, p: DTensor, info: MeshInfo, dim: int) -> DTensorParam:
     try:
         mesh = _concatenate([info.mesh, spec.mesh])
     except Exception as e:
-        raise ValueError(
+        raise FSDPMeshError(
             f"fully_shard: parameter {fqn} is a DTensor on mesh {spec.mesh}, which is not "
             f"other dims of the root mesh of the data-parallel mesh {info.mesh}; slice both "
             "from one init_device_mesh(..., mesh_dim_names=...) mesh"

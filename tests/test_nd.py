@@ -1,0 +1,137 @@
+"""N-D parallelism (``nd_scenarios.py``): ``fully_shard`` over the DP dims of a
+(dp, tp) or (dp_replicate, dp_shard, tp) mesh, on parameters that tensor
+parallelism made DTensors, is bit for bit torch FSDP2's: the sharded
+parameters' placements (``_StridedShard`` where TP and FSDP split one dim),
+shapes and strides, their full values, the losses, gradient norms and sharded
+gradients through training (with reshard_after_forward=False, bf16 parameters,
+meta-device init, HSDP), DCP checkpoints across the two libraries, torch's SPMD
+``dp_mesh_dims`` form, and the exception classes of misuse. All scenarios of
+one world size run in one spawn of gloo ranks.
+
+``ND_TEST_BOTH_TORCH=1`` runs torch FSDP2 on both sides (a check of the
+scenarios' own determinism).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nd_scenarios import SCENARIOS, run
+from spawned import gloo_worker, read_ranks, spawn_scenarios
+
+WORLD_SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
+def results(request, tmp_path_factory):
+    world_size = request.param
+    names = [n for n, (_, kw) in SCENARIOS.items() if kw.get("min_world", 2) <= world_size]
+    out = tmp_path_factory.mktemp(f"w{world_size}")
+    failure = None
+    try:
+        spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out, 600)
+    except Exception as e:  # a rank raised: its JSON names the scenario
+        failure = e
+    return world_size, read_ranks(out, world_size), failure
+
+
+def _each_rank(results, name: str):
+    world_size, per_rank, failure = results
+    if SCENARIOS[name][1].get("min_world", 2) > world_size:
+        pytest.skip(f"needs world size >= {SCENARIOS[name][1]['min_world']}")
+    for rank in range(world_size):
+        result = per_rank[rank].get(name)
+        assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        if result.get("skipped"):
+            pytest.skip("this torch has no DataParallelMeshDims")
+        yield rank, result
+
+
+def _assert_same(rank: int, rs, ref, path: str = "") -> None:
+    """``rs == ref``, naming the first key path where they differ."""
+    if isinstance(ref, dict):
+        assert isinstance(rs, dict) and rs.keys() == ref.keys(), f"rank {rank}: keys of {path}"
+        for key in ref:
+            _assert_same(rank, rs[key], ref[key], f"{path}.{key}" if path else key)
+    else:
+        assert rs == ref, f"rank {rank}: {path} differs from torch FSDP2: {rs} != {ref}"
+
+
+def _assert_observed(rank: int, r: dict) -> None:
+    """Not a vacuous comparison: losses, norms and every gradient observed."""
+    assert r["losses"] and r["grad_norms"], rank
+    assert all(g is not None and g["full"] for g in r["grads"].values()), rank
+    assert all(p["full"] for p in r["params"].values()), rank
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tp_mlp",
+        "tp_mlp_keep",
+        "tp_mlp_bf16",
+        "tp_mlp_replicated_norm",
+        "tp_meta_init",
+        "hsdp_tp",
+        "hsdp_tp_shard",
+        "dp_only_2d_mesh_1_tp",
+    ],
+)
+def test_tp_training_matches_fsdp2(results, name):
+    """Sharded placements, shapes, strides and values, then losses, gradient
+    norms, sharded gradients and trained values equal FSDP2's bit for bit."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+        _assert_observed(rank, r["rs"])
+
+
+def test_meta_init_stays_on_meta(results):
+    for rank, r in _each_rank(results, "tp_meta_init"):
+        assert r["rs"]["meta"] and r["torch"]["meta"], rank
+
+
+def test_strided_placements(results):
+    """Where TP and FSDP both shard dim 0, the placements are FSDP2's
+    (``_StridedShard``) and ``full_tensor()`` is the original weight."""
+    for rank, r in _each_rank(results, "tp_strided"):
+        _assert_same(rank, r["rs"], r["torch"])
+        for name, p in r["rs"]["params"].items():
+            assert p["is_original"], f"rank {rank}: {name}"
+        if results[0] == 4:
+            assert "_StridedShard" in r["torch"]["params"]["blocks.0.w1.weight"]["placements"]
+
+
+def test_dcp_across_libraries(results):
+    """A DCP checkpoint of either library loads into the other's model."""
+    for rank, r in _each_rank(results, "dcp_2d"):
+        assert r == {
+            "rs_to_torch_equal": True,
+            "rs_to_torch_trains_equal": True,
+            "torch_to_rs_equal": True,
+            "torch_to_rs_trains_equal": True,
+        }, rank
+
+
+@pytest.mark.parametrize("name", ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp"])
+def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+        _assert_observed(rank, r["rs"])
+
+
+def test_errors_match_fsdp2(results):
+    """An exception that is an instance of FSDP2's class (by name) for a
+    parameter on an unrelated mesh and for misuse of ``dp_mesh_dims``. (On an
+    unrelated mesh FSDP2 fails inside ``DeviceMesh._concatenate`` with a
+    TypeError or a RuntimeError; fsdp-rs raises a ValueError that is both.)"""
+    for rank, r in _each_rank(results, "errors"):
+        assert all(r["torch"].values()), f"FSDP2 raised nothing in some case: {r['torch']}"
+        for case, classes in r["torch"].items():
+            raised = r["rs"][case]
+            assert raised and classes[0] in raised, f"rank {rank}, {case}: {raised} vs {classes}"
