@@ -22,20 +22,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
+from scenario_common import DIM, HIDDEN, LIBS, OUT, STEPS, _inputs, _mesh
 
-# Every shard a multiple of 16 bytes: [Note: Gloo sums by buffer size] in test_dropin.py.
-DIM, HIDDEN, OUT, BATCH, STEPS = 16, 32, 8, 6, 4
-LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
 _BUILD_LOCK = threading.Lock()
 
 
@@ -61,12 +57,6 @@ class Net(nn.Module):
         return self.head(x.to(self.head.weight.dtype))
 
 
-def _mesh(world_size: int, hsdp: bool):
-    if hsdp:
-        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
-    return init_device_mesh("cpu", (world_size,))
-
-
 def _net(seed: int = 0, cls: type[nn.Module] = Net) -> nn.Module:
     """The model (``cls()``) at a seed; one construction at a time, so that
     ranks run as threads of one process build the same weights from the
@@ -82,11 +72,6 @@ def _sharded(lib: str, model: nn.Module, mesh, **kwargs) -> nn.Module:
         shard(block, mesh=mesh, **kwargs)
     shard(model, mesh=mesh, **kwargs)
     return model
-
-
-def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-    return torch.randn(BATCH, DIM, generator=gen)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
-from dropin_scenarios import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh
+from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh
 
 STEPS = 3
 

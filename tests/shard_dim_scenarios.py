@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 
 import fsdp_rs
 import fsdp_rs.optim
-from dropin_scenarios import LIBS, _inputs, _mesh
+from scenario_common import LIBS, _inputs, _mesh
 
 DIM, EXPERTS, HIDDEN, STEPS = 16, 2, 32, 3
 

@@ -12,8 +12,10 @@ class FSDPUsageError(ValueError, AssertionError):
     code written against FSDP2 catches it."""
 
 
-class FSDPMeshError(ValueError, TypeError, RuntimeError):
+class FSDPMeshError(ValueError, TypeError, RuntimeError, AssertionError):
     """A parameter's DTensor mesh that does not combine with the data-parallel
-    mesh. FSDP2 fails there inside ``DeviceMesh._concatenate``, with a
-    ``TypeError`` or a ``RuntimeError`` depending on the meshes; to fsdp-rs a
-    ``ValueError`` naming the parameter, and both of those too."""
+    mesh. FSDP2 fails there inside ``DeviceMesh._concatenate`` (torch >= 2.13),
+    with a ``TypeError`` or a ``RuntimeError`` depending on the meshes, or with
+    an ``AssertionError`` (older torch); to fsdp-rs a ``ValueError`` naming the
+    parameter, and each of those too, so that code written against FSDP2 catches
+    it."""

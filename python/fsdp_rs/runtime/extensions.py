@@ -340,6 +340,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         if first:
             self.unsharded_params = params
             self._unsharded_with_grad = [params[i] for i in self._grad_index]
+            self._widened = self._unsharded_with_grad
         streams.release_after((out, flat), streams.record(), defer_release and work is None)
         self.state = ShardedState.UNSHARDED
         self.managed.swap(self.unsharded_params)

@@ -104,7 +104,10 @@ when the backward does not reduce, so autograd casts every contribution up and
 sums them there; otherwise ``grad_dtype`` is None, and autograd sums in the
 compute dtype (a synced backward: the copy-in casts once; or the contributions
 are added into the wider ``.grad`` kept from an earlier backward). On older
-torch, and for groups that do not widen, nothing is set.
+torch, and for groups that do not widen, nothing is set. A DTensor parameter
+whose gradient may be reduced over a tensor-parallel dim first
+(``reduces_outside_dp``, [Note: DTensor parameters]) keeps ``grad_dtype`` = the
+reduce dtype in every backward, as FSDP2 keeps it, so that reduction runs wide.
 
 [Note: Post-accumulate-grad hooks]
 Autograd never accumulates into a sharded parameter (forward uses the unsharded
@@ -216,7 +219,7 @@ class GradientReduction:
             return
         params = self._unsharded_with_grad
         if self.widens_grads:
-            self._set_grad_dtypes(params)
+            self._set_grad_dtypes(self._widened)
         if not self.preplace_grads or self._placed:
             return
         if not params or not all(map(is_none, get_grads(params))):
@@ -400,7 +403,13 @@ class GradientReduction:
         self._reduce_scatter(rs_in, division, had)
 
     def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
-        """The gradients (None: zeros) into the reduce-scatter input's rows."""
+        """The gradients (None: zeros) into the reduce-scatter input's rows.
+        Gradients of several dtypes (one already in the reduce dtype, as
+        autograd can leave it) are each cast to the reduce dtype first, as
+        FSDP2 casts each."""
+        dtype = self.param_dtype
+        if any(g is not None and g.dtype != dtype for g in grads):
+            grads = [None if g is None else g.to(rs_in.dtype) for g in grads]
         args = self.grad_layout.tables.reduce_scatter_args()
         self.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide)
 

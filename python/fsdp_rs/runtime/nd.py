@@ -64,6 +64,18 @@ class DTensorParam:
     def stride(self) -> tuple[int, ...]:
         return self.unsharded.tensor_meta.stride
 
+    @property
+    def reduces_outside_dp(self) -> bool:
+        """Whether its gradient may be reduced over a non-DP dim before FSDP's
+        reduction (a replicated placement there can get a ``Partial`` gradient,
+        e.g. a sequence-parallel norm's weight): FSDP2 (torch >= 2.15) then has
+        autograd leave it in the reduce dtype, so that reduction runs in it too."""
+        return any(
+            isinstance(p, Replicate)
+            for i, p in enumerate(self.unsharded.placements)
+            if i not in self.keep_on_dims
+        )
+
     def sharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
         spec = self._specs.get(dtype)
         if spec is None:

@@ -483,6 +483,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 )
             ]
         self._unsharded_with_grad = [self.unsharded_params[i] for i in self._grad_index]
+        self._widened = self._unsharded_with_grad  # [Note: Wider gradient accumulation]
+        if self.nd is not None and self.widens_grads:
+            outside = [nd is not None and nd.reduces_outside_dp for nd in self.nd]
+            for p, out in zip(self.unsharded_params, outside, strict=True):
+                if out:
+                    p.grad_dtype = self.reduce_dtype
+            self._widened = [self.unsharded_params[i] for i in self._grad_index if not outside[i]]
         if self.preplace_grads:
             self._make_grad_aliases()
         self._free_unsharded()

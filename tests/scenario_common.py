@@ -1,0 +1,26 @@
+"""What the side-by-side scenario modules share (``dropin_scenarios``,
+``extension_scenarios``, ``shard_dim_scenarios``): the two libraries, the
+CPU meshes and the per-rank inputs. Imports nothing a supported torch lacks."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import fsdp_rs
+
+# Every shard a multiple of 16 bytes: [Note: Gloo sums by buffer size] in test_dropin.py.
+DIM, HIDDEN, OUT, BATCH, STEPS = 16, 32, 8, 6, 4
+LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
+
+
+def _mesh(world_size: int, hsdp: bool):
+    if hsdp:
+        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(BATCH, DIM, generator=gen)
