@@ -348,7 +348,7 @@ def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
 
     records = json.loads(out_json.read_text())
     assert [(r["case"], r["op"]) for r in records] == [
-        (case, op) for case in "abcd" for op in copy.OPS
+        (case, op) for case in "abcde" for op in copy.OPS
     ]
     for r in records:
         for key, typ in COPY_RECORD_TYPES.items():
@@ -380,7 +380,7 @@ def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
     stdout = capsys.readouterr().out
     for text in ("frac of copy", "speedup", "scale 0.002", "param bfloat16", "CPU impls"):
         assert text in stdout
-    assert stdout.count("reduce_scatter_copy_in") == 4
+    assert stdout.count("reduce_scatter_copy_in") == 5
 
 
 def test_copy_fp16_reduce_divides(tmp_path: Path) -> None:
@@ -422,7 +422,8 @@ def test_copy_mismatch_exits_nonzero(monkeypatch, capsys) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--case", "e"],
+        ["--case", "f"],
+        ["--case", "e", "--world-size", "3"],
         ["--scale", "0"],
         ["--scale", "1.5"],
         ["--scale", "abc"],
@@ -473,7 +474,10 @@ def test_copy_cases(capsys) -> None:
     assert copy.make_case("b", 1 / 64).shapes[:2] == ((64,), (64, 4096))
     assert len(copy.make_case("c", 1e-3).shapes) == 100
     assert len(copy.make_case("d", 1e-3).shapes) == 102
-    for bad in ({"key": "e"}, {"key": "a", "scale": 0}, {"key": "a", "scale": 2}):
+    assert full["e"].shapes == ((8, 2048, 1024),) * 3 and full["e"].dims == (1, 1, 1)
+    assert copy.make_case("e", 1e-3).shapes[0] == (8, 64, 1024)  # dim 1: a multiple of 64
+    assert full["a"].dims == ()
+    for bad in ({"key": "f"}, {"key": "a", "scale": 0}, {"key": "a", "scale": 2}):
         with pytest.raises(ValueError):
             copy.make_case(**bad)
 

@@ -26,7 +26,7 @@ DEFAULT_REPEAT = 5
 # needs many rounds where they are cheap (up to 1e4 params: seconds a round),
 # and gets fewer where a round takes a minute.
 STEP_ROUNDS_SMALL, STEP_ROUNDS_LARGE, STEP_SMALL_MAX_PARAMS = 15, 5, 10_000
-COPY_CASES = ("a", "b", "c", "d")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
+COPY_CASES = ("a", "b", "c", "d", "e")  # fsdp_rs.bench.copy.CASES; `plan` must not import torch
 COPY_DEFAULT_DTYPES = "fp32,bf16,fp32"
 COPY_CUDA_REPEAT = 50
 DTYPE_NAMES = {
@@ -293,6 +293,11 @@ def _run_copy(args: argparse.Namespace) -> int:
     records = []
     for key in args.case or COPY_CASES:
         case = copy.make_case(key, scale)
+        if not copy.divides(case, args.world_size):
+            if args.case:
+                args.parser.error(f"--case {key} shards dim 1 evenly: W must divide 64")
+            print(f"  ({key}) skipped: W={args.world_size} does not divide its dim 1")
+            continue
         print(
             f"  ({key}) {case.name}: {len(case.shapes)} params, {case.numel:.3e} elements",
             flush=True,

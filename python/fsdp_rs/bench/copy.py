@@ -75,6 +75,7 @@ __all__ = [
     "Case",
     "Dtypes",
     "bench_case",
+    "divides",
     "fsdp2_divide_factors",
     "make_case",
 ]
@@ -101,6 +102,7 @@ class Case:
     key: str
     name: str
     shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...] = ()  # the dim FSDP shards per param; () = all 0
 
     @property
     def numel(self) -> int:
@@ -146,12 +148,26 @@ def _moe(scale: float) -> list[tuple[int, ...]]:
     return list(_EXPERT) * experts
 
 
+def _stacked_experts(scale: float) -> list[tuple[int, ...]]:
+    # dim 1 a multiple of 64, so that any W <= 64 divides it (Shard(1) is even)
+    return [(8, max(64, round(2048 * scale / 64) * 64), 1024)] * 3
+
+
 CASES: dict[str, tuple[str, Callable[[float], list[tuple[int, ...]]]]] = {
     "a": ("few large: 8 x (8192, 8192)", _few_large),
     "b": ("7B layer: q,k,v,o (4096, 4096), gate/up/down 11008x4096, 2 norms", _transformer),
     "c": ("many small: 10,000 x (4096,)", _many_small),
     "d": ("MoE: 2,000 experts x (64,256),(64,256),(256,64)", _moe),
+    "e": ("stacked experts on Shard(1): 3 x (8, 2048, 1024)", _stacked_experts),
 }
+_SHARD_DIM = {"e": 1}  # cases whose params FSDP shards on another dim
+
+
+def divides(case: Case, world_size: int) -> bool:
+    """Whether ``world_size`` splits every ``Shard(d > 0)`` dim of ``case`` evenly
+    (FSDP2 refuses an uneven one)."""
+    pairs = zip(case.shapes, case.dims, strict=True) if case.dims else ()
+    return all(s[d] % world_size == 0 for s, d in pairs)
 
 
 def make_case(key: str, scale: float = 1.0) -> Case:
@@ -160,8 +176,10 @@ def make_case(key: str, scale: float = 1.0) -> Case:
         raise ValueError(f"unknown case {key!r}; choose from {', '.join(CASES)}")
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
-    name, shapes = CASES[key]
-    return Case(key, name, tuple(shapes(scale)))
+    name, make = CASES[key]
+    shapes = tuple(make(scale))
+    dim = _SHARD_DIM.get(key)
+    return Case(key, name, shapes, () if dim is None else (dim,) * len(shapes))
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -266,7 +284,10 @@ class Group:
     def build(
         cls, case: Case, dtypes: Dtypes, world_size: int, rank: int, device: torch.device
     ) -> Group:
-        ndims, dims = shapes_to_arrays(case.shapes)
+        shapes = case.shapes
+        if case.dims:  # planned as (W, numel / W) rows: [Note: Sharding on another dim]
+            shapes = tuple((world_size, math.prod(s) // world_size) for s in shapes)
+        ndims, dims = shapes_to_arrays(shapes)
         plan = fsdp_rs.plan_group(
             ndims,
             dims,
@@ -460,6 +481,93 @@ def _post_reduce(g: Group, accumulate: bool) -> OpBench:
     return OpBench(nbytes, run_fsdp_rs, run_torch, equal, impl, post)
 
 
+def _pre_len(g: Group) -> list[tuple[int, int]]:
+    """(product of the dims before the shard dim, this rank's elements per such
+    index) per param of a ``Shard(d)`` case."""
+    w = g.world_size
+    return [
+        (math.prod(s[:d]), s[d] // w * math.prod(s[d + 1 :]))
+        for s, d in zip(g.case.shapes, g.case.dims, strict=True)
+    ]
+
+
+def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
+    """Copy-out of ``Shard(d)`` params: one strided copy per param against
+    FSDP2's ``split_with_sizes_copy`` into temporaries then ``torch.cat`` of
+    their chunks on ``d`` into the outputs."""
+    from fsdp_rs.runtime.shard_dim import copy_out_on_dims
+
+    d, w, rows = g.dtypes, g.world_size, g.plan.row_numel
+    sizes, shapes, dims = g.sizes, g.case.shapes, g.case.dims
+    output = g.random(w, rows, dtype=d.param)
+    unsharded = g.empty(g.plan.unsharded_numel, dtype=d.param)
+    torch_output = g.packed(output)
+    finals = [g.empty(math.prod(s), dtype=d.param) for s in shapes]
+    split_copy = fsdp2.split_with_sizes_copy if fsdp2 else torch.split_with_sizes_copy
+    pre_len, rows_at = _pre_len(g), g.plan.row_offsets.tolist()
+    starts = g.plan.unsharded_offsets.tolist()
+
+    def run_fsdp_rs() -> None:
+        copy_out_on_dims(output, unsharded, pre_len, rows_at, starts)
+
+    def run_torch() -> None:
+        temps = [torch.empty(w * n, dtype=d.param, device=g.device) for n in sizes]
+        split_copy(torch_output, sizes, dim=1, out=[t.view(w, -1) for t in temps])
+        for temp, final, shape, dim in zip(temps, finals, shapes, dims, strict=True):
+            sharded = list(shape)
+            sharded[dim] //= w
+            stacked = [w * sharded[0], *sharded[1:]]
+            chunks = torch.chunk(temp.view(stacked), w, dim=0)
+            torch.cat(chunks, dim=dim, out=final.view(shape))
+
+    def equal() -> bool:
+        return all(
+            _same(unsharded[s : s + f.numel()], f) for s, f in zip(starts, finals, strict=True)
+        )
+
+    impl = ("fsdp." if fsdp2 else "") + "split_with_sizes_copy(dim=1) + cat(dim=d) per param"
+    return OpBench(2 * w * rows * d.param.itemsize, run_fsdp_rs, run_torch, equal, impl)
+
+
+def _reduce_scatter_copy_in_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
+    """Reduce-scatter copy-in of ``Shard(d)`` gradients: one strided copy per
+    gradient against FSDP2's ``cat(chunk(grad, W, d), 0)`` per gradient then
+    ``chunk_cat``."""
+    from fsdp_rs.runtime.shard_dim import copy_in_on_dims
+
+    d, w, rows, total = g.dtypes, g.world_size, g.plan.row_numel, g.total
+    shapes, dims = g.case.shapes, g.case.dims
+    grads = [g.random(*s, dtype=d.param) for s in shapes]
+    rs_input = g.empty(w, rows, dtype=d.reduce)
+    torch_input = g.empty(w, total, dtype=d.reduce)
+    pre, _ = fsdp2_divide_factors(d.reduce, w)
+    chunk_cat = fsdp2.chunk_cat if fsdp2 else torch._chunk_cat
+    pre_len, rows_at = _pre_len(g), g.plan.row_offsets.tolist()
+
+    def run_fsdp_rs() -> None:
+        copy_in_on_dims(grads, rs_input, pre_len, rows_at, pre)
+
+    def run_torch() -> None:
+        stacked = [
+            torch.cat(torch.chunk(t, w, dim=dim), dim=0) for t, dim in zip(grads, dims, strict=True)
+        ]
+        chunk_cat(stacked, 0, w, out=torch_input)
+        if pre != 1:
+            torch_input.div_(pre)
+
+    def equal() -> bool:
+        return _same(g.packed(rs_input), torch_input)
+
+    impl = "cat(chunk(grad, W, d), 0) per grad + " + ("fsdp." if fsdp2 else "_") + "chunk_cat"
+    nbytes = sum(map(math.prod, shapes)) * d.param.itemsize + w * rows * d.reduce.itemsize
+    return OpBench(nbytes, run_fsdp_rs, run_torch, equal, impl, pre)
+
+
+_ON_DIMS: dict[str, Callable[[Group, Any | None], OpBench]] = {
+    "all_gather_copy_out": _all_gather_copy_out_on_dims,
+    "reduce_scatter_copy_in": _reduce_scatter_copy_in_on_dims,
+}
+
 _BUILDERS: dict[str, Callable[[Group, Any | None], OpBench]] = {
     "all_gather_copy_in": _all_gather_copy_in,
     "all_gather_copy_out": _all_gather_copy_out,
@@ -517,7 +625,8 @@ def bench_case(
     timer = _timer(device, repeat)
     records = []
     for op in ops:
-        bench = _BUILDERS[op](group, fsdp2)
+        builder = _ON_DIMS.get(op) if case.dims else None
+        bench = (builder or _BUILDERS[op])(group, fsdp2)
         bench.fsdp_rs()
         bench.torch()
         outputs_equal = bench.outputs_equal()
@@ -536,6 +645,7 @@ def bench_case(
                 "world_size": world_size,
                 "rank": rank,
                 "n_params": len(case.shapes),
+                "shard_dims": sorted(set(case.dims)) or [0],
                 "total_elements": case.numel,
                 "row_numel": int(group.plan.row_numel),
                 "orig_dtype": _name(dtypes.orig),

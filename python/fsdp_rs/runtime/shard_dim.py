@@ -33,7 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 
-__all__ = ["ShardDimGroup", "check_shard_dim"]
+__all__ = ["ShardDimGroup", "check_shard_dim", "copy_in_on_dims", "copy_out_on_dims"]
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -131,24 +131,47 @@ class ShardDimGroup(FSDPParamGroup):
         return self.full_shapes, list(map(_contiguous, self.full_shapes))
 
     def _copy_out(self, ag: torch.Tensor) -> None:
-        world = ag.size(0)
-        rows = self.layout.row_offsets
         starts = self.plan.unsharded_offsets.tolist()
-        for (pre, length), row, start in zip(self._pre_len, rows, starts, strict=True):
-            n = pre * length
-            strides = (world * length, length, 1)
-            dst = self.unsharded.as_strided((pre, world, length), strides, start)
-            dst.copy_(ag[:, row : row + n].view(world, pre, length).transpose(0, 1))
+        copy_out_on_dims(ag, self.unsharded, self._pre_len, self.layout.row_offsets, starts)
 
     def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
-        world = rs_in.size(0)
-        rs_in.zero_()  # missing gradients and alignment gaps
-        rows = self.grad_layout.row_offsets
-        for g, k, row in zip(grads, self._grad_index, rows, strict=True):
-            if g is None:
-                continue
-            pre, length = self._pre_len[k]
-            dst = rs_in[:, row : row + pre * length].view(world, pre, length)
-            dst.copy_(g.reshape(pre, world, length).transpose(0, 1))
-        if divide != 1.0:
-            rs_in.div_(divide)
+        pre_len = [self._pre_len[k] for k in self._grad_index]
+        copy_in_on_dims(grads, rs_in, pre_len, self.grad_layout.row_offsets, divide)
+
+
+def copy_out_on_dims(
+    ag: torch.Tensor,
+    unsharded: torch.Tensor,
+    pre_len: list[tuple[int, int]],
+    rows: list[int],
+    starts: list[int],
+) -> None:
+    """All-gather output ``ag`` (``[W, row]``) into the unsharded buffer: each
+    parameter's ``(W, pre, L)`` block at ``rows[i]`` to its ``(pre, W, L)`` at
+    ``starts[i]``, one strided copy each ([Note: Sharding on another dim])."""
+    world = ag.size(0)
+    for (pre, length), row, start in zip(pre_len, rows, starts, strict=True):
+        strides = (world * length, length, 1)
+        dst = unsharded.as_strided((pre, world, length), strides, start)
+        dst.copy_(ag[:, row : row + pre * length].view(world, pre, length).transpose(0, 1))
+
+
+def copy_in_on_dims(
+    grads: list,
+    rs_in: torch.Tensor,
+    pre_len: list[tuple[int, int]],
+    rows: list[int],
+    divide: float,
+) -> None:
+    """Unsharded gradients (None: zeros) into the reduce-scatter input
+    (``[W, row]``, the reduce dtype): each ``(pre, W, L)`` to ``(W, pre, L)`` at
+    ``rows[k]``, cast on the way; then the pre-division, as FSDP2's ``div_``."""
+    world = rs_in.size(0)
+    rs_in.zero_()  # missing gradients and alignment gaps
+    for g, (pre, length), row in zip(grads, pre_len, rows, strict=True):
+        if g is None:
+            continue
+        dst = rs_in[:, row : row + pre * length].view(world, pre, length)
+        dst.copy_(g.reshape(pre, world, length).transpose(0, 1))
+    if divide != 1.0:
+        rs_in.div_(divide)
