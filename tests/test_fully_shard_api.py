@@ -562,6 +562,27 @@ def test_all_gather_extension_refills_its_unsharded_parameter(gloo1):
     assert len(outs) == 2 and outs[0] is None and isinstance(outs[1], nn.Parameter)
 
 
+def test_all_gather_extension_on_dtensor_parameter_is_refused(gloo1):
+    """An extension on a tensor-parallel parameter's local tensor is refused,
+    never all-gathered as plain data in its place."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+
+    class Extended(torch.Tensor):
+        def fsdp_pre_all_gather(self, mesh):
+            raise AssertionError("not reached")
+
+        def fsdp_post_all_gather(self, *args, **kwargs):
+            raise AssertionError("not reached")
+
+    lin = nn.Linear(4, 4, bias=False)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh["tp"], [Shard(0)]))
+    lin.weight._local_tensor = lin.weight._local_tensor.as_subclass(Extended)
+    with pytest.raises(NotImplementedError, match="weight defines fsdp_pre_all_gather"):
+        fully_shard(lin, mesh=mesh["dp"])
+
+
 def test_misuse_raises_as_fsdp2(fake2):
     """Where FSDP2 raises an AssertionError, fsdp-rs's ValueError is one too."""
     import copy

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
-from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension
+from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
 from fsdp_rs.runtime.mesh import mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -120,6 +120,9 @@ def fully_shard(
         # extensions ([Note: All-gather extensions])
         # and one for those sharded on another dim ([Note: Sharding on another dim])
         extension = list(map(has_extension, managed.params))
+        for fqn, p in zip(managed.fqns, managed.params, strict=True):
+            if isinstance(p, DTensor) and has_extension(p._local_tensor):
+                refuse_on_dtensor(fqn)
         other_dim = [d != 0 for d in dims]
         keys = list(zip(_group_keys(managed, mp_policy), extension, other_dim, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]

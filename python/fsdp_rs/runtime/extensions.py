@@ -62,6 +62,18 @@ def has_extension(t: torch.Tensor) -> bool:
     return hasattr(t, _PRE)
 
 
+def refuse_on_dtensor(fqn: str) -> None:
+    """An all-gather extension on a DTensor parameter's local tensor (float8
+    with tensor parallelism): not run by fsdp-rs yet, and never all-gathered as
+    plain data in its place."""
+    raise NotImplementedError(
+        f"fully_shard: the local tensor of parameter {fqn} defines {_PRE} (an all-gather "
+        "extension) in a group of DTensor parameters (tensor or expert parallelism); "
+        "fsdp-rs does not run extensions there yet: shard this module with torch's "
+        "fully_shard"
+    )
+
+
 def _check_pair(fqn: str, t: torch.Tensor) -> None:
     if hasattr(t, _PRE) != hasattr(t, _POST):
         raise ValueError(
@@ -141,6 +153,9 @@ class ExtensionParamGroup(FSDPParamGroup):
         """A plain group whose local shards gained extensions after
         ``fully_shard``: the same object, now this class; the shards stay where
         they are (views of the old sharded buffer, which they keep alive)."""
+        if self.nd is not None:
+            found = [i for i, p in enumerate(self.sharded_params) if has_extension(p._local_tensor)]
+            refuse_on_dtensor(self.managed.fqns[found[0]])
         if self.state != ShardedState.SHARDED or self._pending_unshard is not None:
             self.reshard()
         self.state = ShardedState.SHARDED
