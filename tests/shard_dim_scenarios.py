@@ -102,6 +102,7 @@ def train(
     meta: bool = False,
     accumulate: bool = False,
     flat: bool = False,
+    hsdp: bool = False,
     **shard_kwargs,
 ) -> dict:
     if shard_kwargs.pop("mp", False):
@@ -114,7 +115,7 @@ def train(
     out = {}
     for lib, shard in LIBS.items():
         model = _model(meta)
-        kwargs = {"mesh": _mesh(world_size, False), "shard_placement_fn": PLACEMENT_FNS[fn]}
+        kwargs = {"mesh": _mesh(world_size, hsdp), "shard_placement_fn": PLACEMENT_FNS[fn]}
         for block in model.blocks:
             shard(block, **kwargs, **shard_kwargs)
         shard(model, **kwargs, **shard_kwargs)
@@ -170,6 +171,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "experts_accumulate": (train, {"fn": "experts", "accumulate": True}),
     "experts_meta": (train, {"fn": "experts", "meta": True}),
     "experts_flat": (train, {"fn": "experts", "flat": True}),
+    "experts_hsdp": (train, {"fn": "experts", "hsdp": True, "min_world": 4}),
     "largest": (train, {"fn": "largest"}),
     "last": (train, {"fn": "last"}),
     "uneven": (uneven, {}),
@@ -178,6 +180,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
 
 def run(world_size: int, rank: int, name: str) -> dict:
     fn, kwargs = SCENARIOS[name]
+    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
     result = fn(world_size, rank, **kwargs)
     dist.barrier()
     return result
