@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -24,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
 from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh
+from spawned import run_named
 
 STEPS = 3
 
@@ -338,11 +338,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
 
 
 def run(world_size: int, rank: int, name: str) -> dict:
-    fn, kwargs = SCENARIOS[name]
-    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
-    result = fn(world_size, rank, **kwargs)
-    dist.barrier()
-    return result
+    return run_named(SCENARIOS, world_size, rank, name)
 
 
 __all__ = ["BATCH", "SCENARIOS", "run"]

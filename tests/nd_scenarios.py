@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_rs
+from spawned import run_named
 
 # Every local shard a multiple of 16 bytes at dp <= 4, tp <= 2 (fp32).
 DIM, HIDDEN, OUT, BATCH, SEQ = 16, 64, 16, 4, 4
@@ -500,11 +501,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
 
 
 def run(world_size: int, rank: int, name: str) -> dict:
-    fn, kwargs = SCENARIOS[name]
-    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
-    result = fn(world_size, rank, **kwargs)
-    dist.barrier()
-    return result
+    return run_named(SCENARIOS, world_size, rank, name)
 
 
 __all__ = ["BOTH_TORCH", "LIBS", "SCENARIOS", "run"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
@@ -19,6 +18,7 @@ from torch.distributed.tensor import Shard
 import fsdp_rs
 import fsdp_rs.optim
 from scenario_common import LIBS, _inputs, _mesh
+from spawned import run_named
 
 DIM, EXPERTS, HIDDEN, STEPS = 16, 2, 32, 3
 
@@ -179,8 +179,4 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
 
 
 def run(world_size: int, rank: int, name: str) -> dict:
-    fn, kwargs = SCENARIOS[name]
-    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
-    result = fn(world_size, rank, **kwargs)
-    dist.barrier()
-    return result
+    return run_named(SCENARIOS, world_size, rank, name)

@@ -5,6 +5,7 @@ out_dir)`` and writes ``rank{r}.json`` with its results per scenario."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import socket
@@ -83,3 +84,45 @@ def gloo_worker(
         dist.barrier()
     path.write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def run_named(scenarios: dict, world_size: int, rank: int, name: str) -> dict:
+    """Run scenario ``name`` of ``scenarios`` (name -> (function, kwargs); a
+    ``min_world`` kwarg is for the test, not the function), then a barrier."""
+    fn, kwargs = scenarios[name]
+    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
+    result = fn(world_size, rank, **kwargs)
+    dist.barrier()
+    return result
+
+
+def min_world(scenarios: dict, name: str) -> int:
+    return scenarios[name][1].get("min_world", 2)
+
+
+def spawn_results(scenarios: dict, run: Callable, world_size: int, out: Path) -> tuple:
+    """Every scenario that fits ``world_size``, run in one spawn of gloo ranks:
+    ``(world_size, per-rank results, the spawn's exception or None)``."""
+    names = [n for n in scenarios if min_world(scenarios, n) <= world_size]
+    failure = None
+    try:
+        spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out, 600)
+    except Exception as e:  # a rank raised: its JSON names the scenario
+        failure = e
+    return world_size, read_ranks(out, world_size), failure
+
+
+def each_rank(scenarios: dict, results: tuple, name: str):
+    """Each rank's result of scenario ``name`` as ``(rank, result)``; skips the
+    test where the world is too small, fails it where a rank did not run it or
+    raised."""
+    import pytest
+
+    world_size, per_rank, failure = results
+    if min_world(scenarios, name) > world_size:
+        pytest.skip(f"needs world size >= {min_world(scenarios, name)}")
+    for rank in range(world_size):
+        result = per_rank[rank].get(name)
+        assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        yield rank, result

@@ -14,7 +14,6 @@ scenarios' own determinism).
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from nd_scenarios import SCENARIOS, run
-from spawned import gloo_worker, read_ranks, spawn_scenarios
+from spawned import each_rank, spawn_results
 
 WORLD_SIZES = (2, 4)
 
@@ -30,24 +29,11 @@ WORLD_SIZES = (2, 4)
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
 def results(request, tmp_path_factory):
     world_size = request.param
-    names = [n for n, (_, kw) in SCENARIOS.items() if kw.get("min_world", 2) <= world_size]
-    out = tmp_path_factory.mktemp(f"w{world_size}")
-    failure = None
-    try:
-        spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out, 600)
-    except Exception as e:  # a rank raised: its JSON names the scenario
-        failure = e
-    return world_size, read_ranks(out, world_size), failure
+    return spawn_results(SCENARIOS, run, world_size, tmp_path_factory.mktemp(f"w{world_size}"))
 
 
 def _each_rank(results, name: str):
-    world_size, per_rank, failure = results
-    if SCENARIOS[name][1].get("min_world", 2) > world_size:
-        pytest.skip(f"needs world size >= {SCENARIOS[name][1]['min_world']}")
-    for rank in range(world_size):
-        result = per_rank[rank].get(name)
-        assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
-        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    for rank, result in each_rank(SCENARIOS, results, name):
         if result.get("skipped"):
             pytest.skip("this torch has no DataParallelMeshDims")
         yield rank, result

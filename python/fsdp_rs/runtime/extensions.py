@@ -185,13 +185,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         if self.state == ShardedState.UNSHARDED:
             return
         current = self.managed.registered()
-        for fqn, p in zip(self.managed.fqns, current, strict=True):
-            if not isinstance(p, DTensor):
-                raise ValueError(
-                    f"fsdp_rs: parameter {fqn} was replaced by a {type(p).__name__}; after "
-                    "fully_shard, load sharded state (DTensors) or use load_state_dict "
-                    "without assign=True"
-                )
+        self._check_registered_dtensors(current)
         locals_ = [p._local_tensor for p in current]
         if any(t.is_meta for t in locals_):
             return
@@ -388,15 +382,6 @@ class ExtensionParamGroup(FSDPParamGroup):
             _free(t)
         self.state = ShardedState.SHARDED
         self.managed.swap(self.sharded_params)
-
-    def discard_unshard_state(self) -> None:
-        pending, self._pending_unshard = self._pending_unshard, None
-        if pending is not None:
-            work, _, event, _, _ = pending
-            if work is not None:
-                work.wait()
-            self.streams.wait_current(event)
-        self.reshard()
 
     # ------------------------------------------------------------- gradients
 

@@ -387,13 +387,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             for p in current
         ):
             return
-        for fqn, p in zip(self.managed.fqns, current, strict=True):
-            if not isinstance(p, DTensor):
-                raise ValueError(
-                    f"fsdp_rs: parameter {fqn} was replaced by a {type(p).__name__}; after "
-                    "fully_shard, load sharded state (DTensors, e.g. from model.state_dict() or "
-                    "torch.distributed.checkpoint) or use load_state_dict without assign=True"
-                )
+        self._check_registered_dtensors(current)
         locals_ = [p._local_tensor for p in current]
         if any(t.is_meta for t in locals_):
             return  # not all materialized yet (one module of a group): lazy init checks
@@ -412,6 +406,15 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._read_requires_grad()
         self.unsharded_params = None
         self.managed.swap(self.sharded_params)
+
+    def _check_registered_dtensors(self, current: list[torch.Tensor]) -> None:
+        for fqn, p in zip(self.managed.fqns, current, strict=True):
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"fsdp_rs: parameter {fqn} was replaced by a {type(p).__name__}; after "
+                    "fully_shard, load sharded state (DTensors, e.g. from model.state_dict() or "
+                    "torch.distributed.checkpoint) or use load_state_dict without assign=True"
+                )
 
     def check_extensions(self) -> None:
         """At lazy init: a local shard given an all-gather extension since

@@ -235,7 +235,7 @@ class Unsharding:
         issued), then go back to SHARDED, dropping post-forward rows."""
         pending, self._pending_unshard = self._pending_unshard, None
         if pending is not None:
-            work, _, event, _ = pending
+            work, event = pending[0], pending[2]  # (work, output, event, ...)
             if work is not None:
                 work.wait()
             self.streams.wait_current(event)
