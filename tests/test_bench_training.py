@@ -57,6 +57,19 @@ def test_bench_init(tmp_path: Path) -> None:
     assert second["n_params"] == 300 and second["torch_s"] is None and second["speedup"] is None
 
 
+def test_bench_init_and_step_2d(tmp_path: Path) -> None:
+    """``--tp 2``: DTensor parameters on a (W/2, 2) mesh, both libraries timed."""
+    for bench in ("init", "step"):
+        out = tmp_path / f"{bench}.json"
+        argv = [bench, "--params", "40", "--block-params", "10", "--world-size", "4", "--tp", "2"]
+        extra = ["--repeat", "1"] if bench == "step" else []
+        proc = _python(["-m", "fsdp_rs.bench", *argv, *extra, "--json", str(out)])
+        assert "mesh (dp=2, tp=2)" in proc.stdout
+        (record,) = json.loads(out.read_text())
+        assert record["tp"] == 2 and record["world_size"] == 4
+        assert record["torch_s"] is not None and record["fsdp_rs_s"] is not None
+
+
 def test_bench_step(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     argv = ["step", "--params", "50", "--block-params", "10", "--repeat", "2"]

@@ -354,6 +354,16 @@ def _add_training_options(p: argparse.ArgumentParser, default_params: Sequence[i
         ),
     )
     p.add_argument("--seed", type=int, default=0, help="parameter init seed (default: 0)")
+    p.add_argument(
+        "--tp",
+        metavar="T",
+        type=positive_int,
+        default=1,
+        help=(
+            "tensor-parallel size: a (W/T, T) mesh, every parameter a DTensor sharded on "
+            "dim 0 over T, fully_shard over the other dim; T must divide W and 8 (default: 1)"
+        ),
+    )
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
 
 
@@ -410,11 +420,14 @@ def _run_training(args: argparse.Namespace) -> int:
     from fsdp_rs.bench import report, training
     from fsdp_rs.bench.plan import environment
 
+    if args.world_size % args.tp or 8 % args.tp:
+        args.parser.error(f"--tp {args.tp} must divide --world-size ({args.world_size}) and 8")
     env = environment()
     records = []
     default = DEFAULT_PARAMS if args.bench == "init" else STEP_DEFAULT_PARAMS
+    mesh = f"mesh (dp={args.world_size // args.tp}, tp={args.tp})" if args.tp > 1 else "1-D"
     print(
-        f"{args.bench}: fake process group W={args.world_size} (rank 0), blocks of "
+        f"{args.bench}: fake process group W={args.world_size} (rank 0), {mesh}, blocks of "
         f"{args.block_params} params, one fully_shard group per block plus the root; "
         "each N in a fresh process",
         flush=True,
@@ -432,7 +445,7 @@ def _run_training(args: argparse.Namespace) -> int:
             default_rounds = STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE
             measure, measure_args = training.bench_step, (*model, args.repeat or default_rounds)
         with spawn.Pool(1) as worker:
-            record = worker.apply(measure, measure_args, {"seed": args.seed})
+            record = worker.apply(measure, measure_args, {"seed": args.seed, "tp": args.tp})
         print(f"  N={n}: done", file=sys.stderr, flush=True)
         records.append({**record, **env})
 

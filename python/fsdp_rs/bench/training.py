@@ -7,7 +7,10 @@ sharded models' outputs are not comparable to the unsharded one's).
 The model has many small parameter tensors: blocks of ``BLOCK_SHAPES`` (a
 transformer layer's shapes at width 8), each block one ``fully_shard`` group,
 then the root. A block's forward uses every parameter once:
-``x + cat(flattened params).sum()``.
+``x + cat(flattened params).sum()``. With ``tp > 1`` the mesh is ``(W / tp,
+tp)``: every parameter is first a DTensor sharded on dim 0 over ``tp`` (as
+tensor parallelism leaves it), then ``fully_shard`` shards it over ``dp`` ([Note:
+DTensor parameters]); the unsharded model has the same DTensor parameters.
 
 [Note: Bookkeeping overhead]
 ``bench step`` times forward + backward of three copies of the model (unsharded,
@@ -60,22 +63,31 @@ BLOCK_SHAPES: tuple[tuple[int, ...], ...] = (
 
 
 class Block(nn.Module):
-    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, shapes: list[tuple[int, ...]], tp_mesh=None) -> None:
         super().__init__()
-        self.params = nn.ParameterList([nn.Parameter(torch.randn(s) * 0.02) for s in shapes])
+        params = [torch.randn(s) * 0.02 for s in shapes]
+        if tp_mesh is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            params = [distribute_tensor(p, tp_mesh, [Shard(0)]) for p in params]
+        self.params = nn.ParameterList(map(nn.Parameter, params))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.cat([p.reshape(-1) for p in self.params]).sum()
+        total = torch.cat([p.reshape(-1) for p in self.params]).sum()
+        if hasattr(total, "full_tensor"):  # a DTensor (tp > 1)
+            total = total.full_tensor()
+        return x + total
 
 
 class BenchModel(nn.Module):
-    """``n_params`` parameter tensors in blocks of ``block_params``."""
+    """``n_params`` parameter tensors in blocks of ``block_params`` (DTensors on
+    ``tp_mesh`` if given)."""
 
-    def __init__(self, n_params: int, block_params: int) -> None:
+    def __init__(self, n_params: int, block_params: int, tp_mesh=None) -> None:
         super().__init__()
         shapes = [BLOCK_SHAPES[i % len(BLOCK_SHAPES)] for i in range(n_params)]
         self.blocks = nn.ModuleList(
-            Block(shapes[i : i + block_params]) for i in range(0, n_params, block_params)
+            Block(shapes[i : i + block_params], tp_mesh) for i in range(0, n_params, block_params)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,14 +113,25 @@ def _fully_shard(library: str) -> Callable[..., Any]:
     return fully_shard
 
 
-def shard_model(model: BenchModel, library: str) -> float:
+def meshes(world_size: int, tp: int) -> tuple[Any, Any]:
+    """(the mesh fully_shard shards over, the TP mesh or None): the default 1-D
+    mesh for ``tp == 1``, else the dims of a ``(W / tp, tp)`` mesh."""
+    if tp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def shard_model(model: BenchModel, library: str, mesh=None) -> float:
     """Apply ``library``'s fully_shard per block, then to the root; seconds."""
     fully_shard = _fully_shard(library)
     gc.collect()
     start = time.perf_counter()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return time.perf_counter() - start
 
 
@@ -121,34 +144,38 @@ def _warm_up() -> None:
         model(torch.zeros(4)).sum().backward()
 
 
-def _record(bench: str, n_params: int, world_size: int, block_params: int) -> dict[str, Any]:
+def _record(
+    bench: str, n_params: int, world_size: int, block_params: int, tp: int
+) -> dict[str, Any]:
     """The fields every init and step record starts with."""
     return {
         "bench": bench,
         "n_params": n_params,
         "world_size": world_size,
+        "tp": tp,
         "block_params": block_params,
         "groups": -(-n_params // block_params) + 1,  # the blocks and the root
     }
 
 
 def bench_init(
-    n_params: int, world_size: int, block_params: int, torch_too: bool, seed: int = 0
+    n_params: int, world_size: int, block_params: int, torch_too: bool, seed: int = 0, tp: int = 1
 ) -> dict[str, Any]:
     """Seconds of fully_shard on a fresh model, fsdp-rs and (if ``torch_too``)
     torch FSDP2."""
     fake_process_group(world_size)
     _warm_up()
+    dp_mesh, tp_mesh = meshes(world_size, tp)
     times = {}
     for library in ("fsdp_rs", "torch") if torch_too else ("fsdp_rs",):
         torch.manual_seed(seed)
-        model = BenchModel(n_params, block_params)
-        times[library] = shard_model(model, library)
+        model = BenchModel(n_params, block_params, tp_mesh)
+        times[library] = shard_model(model, library, dp_mesh)
         del model
         gc.collect()
     torch_s = times.get("torch")
     return {
-        **_record("init", n_params, world_size, block_params),
+        **_record("init", n_params, world_size, block_params, tp),
         "fsdp_rs_s": times["fsdp_rs"],
         "torch_s": torch_s,
         "speedup": None if torch_s is None else torch_s / times["fsdp_rs"],
@@ -166,18 +193,19 @@ STEPS_PER_ROUND = 2
 
 
 def bench_step(
-    n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0
+    n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0, tp: int = 1
 ) -> dict[str, Any]:
     """Median forward + backward seconds of the unsharded model, fsdp-rs and
     torch FSDP2; see [Note: Bookkeeping overhead]."""
     fake_process_group(world_size)
     _warm_up()
+    dp_mesh, tp_mesh = meshes(world_size, tp)
     models = {}
     for library in ("unsharded", "fsdp_rs", "torch"):
         torch.manual_seed(seed)
-        models[library] = BenchModel(n_params, block_params)
+        models[library] = BenchModel(n_params, block_params, tp_mesh)
         if library != "unsharded":
-            shard_model(models[library], library)
+            shard_model(models[library], library, dp_mesh)
     x = torch.randn(4)
     for model in models.values():  # first step: lazy init, gradient views
         _step(model, x)
@@ -195,7 +223,7 @@ def bench_step(
     fsdp_rs_s = statistics.median(rounds["fsdp_rs"])
     torch_s = statistics.median(rounds["torch"])
     return {
-        **_record("step", n_params, world_size, block_params),
+        **_record("step", n_params, world_size, block_params, tp),
         "repeat": repeat,
         "unsharded_step_s": step["unsharded"],
         "fsdp_rs_step_s": step["fsdp_rs"],
