@@ -483,6 +483,32 @@ def errors(world_size: int, rank: int) -> dict:
     return out
 
 
+def clip_mixed_meshes(world_size: int, rank: int, tp: int = 2) -> dict:
+    """``fsdp_rs.clip_grad_norm_`` on a model whose block MLPs are tensor
+    parallel and whose norms and head are not: the sharded gradients live on
+    the (dp, tp) mesh and on the dp mesh, which torch's own ``clip_grad_norm_``
+    refuses to stack. The total norm must be that of the full gradients, and
+    every gradient scaled by torch's clip coefficient."""
+    mesh = _nd_mesh(world_size, tp)
+    model = _net()
+    for block in model.blocks:
+        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(block, mesh["tp"], plan)
+    _fully_shard("rs", model, mesh["dp"])
+    _mse(model(_inputs(mesh, 0, sequence=False))).backward()
+    params = list(model.parameters())
+    before = [p.grad.full_tensor().double() for p in params]
+    expected = torch.stack([g.pow(2).sum() for g in before]).sum().sqrt().item()
+    total = _full(fsdp_rs.clip_grad_norm_(params, 0.5)).item()
+    coef = min(1.0, 0.5 / (total + 1e-6))
+    scaled = max(
+        (p.grad.full_tensor().double() - g * coef).abs().max().item()
+        for p, g in zip(params, before, strict=True)
+    )
+    meshes = sorted({str(p.grad.device_mesh.mesh_dim_names) for p in params})
+    return {"total": total, "expected": expected, "scaled_error": scaled, "meshes": meshes}
+
+
 SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "tp_mlp": (tp_mlp, {}),
     "tp_mlp_keep": (tp_mlp, {"reshard_after_forward": False}),
@@ -497,6 +523,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "spmd_dp_mesh_dims_tp": (spmd_dp_mesh_dims, {"min_world": 4}),
     "dp_only_2d_mesh_1_tp": (tp_mlp, {"tp": 1}),
     "errors": (errors, {}),
+    "clip_mixed_meshes": (clip_mixed_meshes, {"min_world": 4}),
 }
 
 

@@ -111,6 +111,17 @@ def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
         _assert_observed(rank, r["rs"])
 
 
+def test_clip_grad_norm_over_mixed_meshes(results):
+    """fsdp-rs's ``clip_grad_norm_`` over gradients on two meshes: the norm of
+    the full gradients (to fp32 rounding of a differently ordered sum) and
+    every gradient scaled by the clip coefficient."""
+    for rank, r in _each_rank(results, "clip_mixed_meshes"):
+        assert set(r["meshes"]) == {"('dp',)", "('dp', 'tp')"}, rank
+        assert r["total"] == pytest.approx(r["expected"], rel=1e-5), rank
+        assert r["total"] > 0.5  # clipping happened
+        assert r["scaled_error"] < 1e-6, rank
+
+
 def test_errors_match_fsdp2(results):
     """An exception that is an instance of FSDP2's class (by name) for a
     parameter on an unrelated mesh and for misuse of ``dp_mesh_dims``. (On an
