@@ -10,12 +10,8 @@ hook counts, dtypes, types. ``test_dropin.py`` asserts on them.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import json
-import os
 import threading
-import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
 from scenario_common import DIM, HIDDEN, LIBS, OUT, STEPS, _inputs, _mesh
+from spawned import run_named
 
 _BUILD_LOCK = threading.Lock()
 
@@ -855,29 +852,5 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
 }
 
 
-def run(name: str, world_size: int, rank: int) -> dict:
-    fn, kwargs = SCENARIOS[name]
-    kwargs = {k: v for k, v in kwargs.items() if k != "min_world"}
-    return fn(world_size, rank, **kwargs)
-
-
-def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
-    torch.set_num_threads(1)
-    results: dict[str, dict] = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    for name in names:
-        try:
-            results[name] = run(name, world_size, rank)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            with open(path, "w") as f:
-                json.dump(results, f)
-            raise  # the other ranks may be waiting in a collective: end the spawn
-        dist.barrier()
-    with open(path, "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+def run(world_size: int, rank: int, name: str) -> dict:
+    return run_named(SCENARIOS, world_size, rank, name)

@@ -112,6 +112,19 @@ def spawn_results(scenarios: dict, run: Callable, world_size: int, out: Path) ->
     return world_size, read_ranks(out, world_size), failure
 
 
+def results_fixture(scenarios: dict, run: Callable, world_sizes: tuple = (2, 4)):
+    """A module-scoped pytest fixture ``results`` (assign it to that name): per
+    world size of ``world_sizes``, ``spawn_results`` of the scenarios."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=world_sizes, ids=lambda w: f"W{w}")
+    def results(request, tmp_path_factory):
+        world_size = request.param
+        return spawn_results(scenarios, run, world_size, tmp_path_factory.mktemp(f"w{world_size}"))
+
+    return results
+
+
 def each_rank(scenarios: dict, results: tuple, name: str):
     """Each rank's result of scenario ``name`` as ``(rank, result)``; skips the
     test where the world is too small, fails it where a rank did not run it or

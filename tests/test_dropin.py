@@ -22,34 +22,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dropin_scenarios import SCENARIOS, worker
-from spawned import read_ranks, spawn_scenarios
+from dropin_scenarios import SCENARIOS, run
+from spawned import each_rank, results_fixture
 
-WORLD_SIZES = (2, 4)
-
-
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def results(request, tmp_path_factory):
-    world_size = request.param
-    names = [n for n, (_, kw) in SCENARIOS.items() if kw.get("min_world", 2) <= world_size]
-    out = tmp_path_factory.mktemp(f"w{world_size}")
-    failure = None
-    try:
-        spawn_scenarios(worker, world_size, names, out)
-    except Exception as e:  # a rank raised: its JSON names the scenario
-        failure = e
-    return world_size, read_ranks(out, world_size), failure
+results = results_fixture(SCENARIOS, run)
 
 
 def _each_rank(results, name: str):
-    world_size, per_rank, failure = results
-    if SCENARIOS[name][1].get("min_world", 2) > world_size:
-        pytest.skip(f"needs world size >= {SCENARIOS[name][1]['min_world']}")
-    for rank in range(world_size):
-        result = per_rank[rank].get(name)
-        assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
-        assert "error" not in result, f"rank {rank}:\n{result['error']}"
-        yield rank, result
+    return each_rank(SCENARIOS, results, name)
 
 
 def _assert_same(rank: int, rs: dict, ref: dict, keys=None) -> None:
@@ -215,8 +195,6 @@ def _run_threaded(names: list[str], world_size: int) -> list[dict]:
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    from dropin_scenarios import run
-
     results: list[dict] = [{} for _ in range(world_size)]
     errors: list[str] = []
     # As torch's MultiThreadedTestCase: group names registered per thread.
@@ -229,7 +207,7 @@ def _run_threaded(names: list[str], world_size: int) -> list[dict]:
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         try:
             for name in names:
-                results[rank][name] = run(name, world_size, rank)
+                results[rank][name] = run(world_size, rank, name)
         except BaseException as e:
             errors.append(f"rank {rank}:\n{traceback.format_exc()}")
             threaded.ProcessLocalGroup.exception_handle(e)  # free the ranks waiting

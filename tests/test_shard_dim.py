@@ -13,15 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shard_dim_scenarios import SCENARIOS, run
-from spawned import each_rank, spawn_results
+from spawned import each_rank, results_fixture
 
-WORLD_SIZES = (2, 4)
-
-
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def results(request, tmp_path_factory):
-    world_size = request.param
-    return spawn_results(SCENARIOS, run, world_size, tmp_path_factory.mktemp(f"w{world_size}"))
+results = results_fixture(SCENARIOS, run)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -116,9 +116,9 @@ def fully_shard(
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        # [Note: One group per dtype], and one for parameters with all-gather
-        # extensions ([Note: All-gather extensions])
-        # and one for those sharded on another dim ([Note: Sharding on another dim])
+        # One group per dtype ([Note: One group per dtype]), apart from the
+        # parameters with all-gather extensions ([Note: All-gather extensions]) and
+        # those sharded on another dim ([Note: Sharding on another dim])
         extension = list(map(has_extension, managed.params))
         for fqn, p in zip(managed.fqns, managed.params, strict=True):
             if isinstance(p, DTensor) and has_extension(p._local_tensor):

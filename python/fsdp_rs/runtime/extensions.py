@@ -295,23 +295,14 @@ class ExtensionParamGroup(FSDPParamGroup):
             else:
                 out = flat
             event = streams.record(ag_stream)
-        metadata = [(ins, meta) for ins, meta in per_param]
-        self._pending_unshard = (work if async_op else None, out, event, flat, metadata)
+        self._pending_unshard = (work if async_op else None, out, event, flat, per_param)
 
     @outside_functorch
     def wait_for_unshard(self, defer_release: bool = False) -> None:
         if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
             return
-        if self._pending_unshard is None:
-            self.unshard()
-        work, out, event, flat, per_param = self._pending_unshard
-        self._pending_unshard = None
+        work, out, _, flat, per_param = self._await_unshard(defer_release)
         streams = self.streams
-        if defer_release:
-            streams.flush_all_gather()
-        streams.wait_current(event)
-        if work is not None:
-            work.wait()
         world = self.info.shard_size
         gathered = out.view(world, -1)
         first = self.unsharded_params is None

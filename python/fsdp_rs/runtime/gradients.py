@@ -129,6 +129,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
@@ -142,8 +143,9 @@ _DEREF = weakref.ref.__call__
 
 
 def _local_grad(nd, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """What is reduced of an unsharded gradient ([Note: DTensor parameters])."""
-    if nd is None or grad is None or not isinstance(grad, DTensor):
+    """What is reduced of an unsharded gradient ([Note: DTensor parameters]);
+    one already reduced to its local tensor (accumulated earlier) as it is."""
+    if nd is None or not isinstance(grad, DTensor | AsyncCollectiveTensor):
         return grad
     return nd.local_grad(grad)
 
@@ -375,6 +377,11 @@ class GradientReduction:
             grads[:] = map(_local_grad, self._grad_nd, grads)
             if self._accumulated is not None:
                 self._accumulated = list(map(_local_grad, self._grad_nd, self._accumulated))
+            # A gradient autograd left in the reduce dtype (``reduces_outside_dp``)
+            # next to ones in the parameter dtype: each is cast to the reduce
+            # dtype, as FSDP2 casts each; the copy-in takes one dtype.
+            if len({g.dtype for g in grads if g is not None}) > 1:
+                grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         dtype = self.reduce_dtype
         if self._accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
@@ -403,13 +410,7 @@ class GradientReduction:
         self._reduce_scatter(rs_in, division, had)
 
     def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
-        """The gradients (None: zeros) into the reduce-scatter input's rows.
-        Gradients of several dtypes (one already in the reduce dtype, as
-        autograd can leave it) are each cast to the reduce dtype first, as
-        FSDP2 casts each."""
-        dtype = self.param_dtype
-        if any(g is not None and g.dtype != dtype for g in grads):
-            grads = [None if g is None else g.to(rs_in.dtype) for g in grads]
+        """The gradients (None: zeros) into the reduce-scatter input's rows."""
         args = self.grad_layout.tables.reduce_scatter_args()
         self.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide)
 

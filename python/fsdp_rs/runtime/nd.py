@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -96,9 +97,8 @@ class DTensorParam:
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The local tensor to reduce of an unsharded gradient (a DTensor)."""
-        wait = getattr(grad, "wait", None)  # AsyncCollectiveTensor
-        if wait is not None and not isinstance(grad, DTensor):
-            grad = wait()
+        if isinstance(grad, AsyncCollectiveTensor):
+            grad = grad.wait()
         if not isinstance(grad, DTensor):
             raise RuntimeError(
                 f"fsdp_rs: the gradient of a DTensor parameter is a {type(grad).__name__}, "

@@ -108,6 +108,8 @@ _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 
 class FSDPParamGroup(Unsharding, GradientReduction):
+    dims: list[int] | None = None  # the dim FSDP shards per parameter; None: all 0
+
     def __init__(
         self,
         managed: ManagedParams,
@@ -124,7 +126,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.device = info.device
         params = managed.params
         # [Note: DTensor parameters] their local tensors are what is sharded
-        self.nd = dtensor_params(managed.fqns, params, info, getattr(self, "dims", None))
+        self.nd = dtensor_params(managed.fqns, params, info, self.dims)
         self.requires_grad = list(map(_REQUIRES_GRAD, params))
         if self.nd is not None:
             params = [p._local_tensor if isinstance(p, DTensor) else p for p in params]

@@ -69,6 +69,7 @@ class ShardDimGroup(FSDPParamGroup):
 
     def __init__(self, *args, dims: list[int], **kwargs) -> None:
         self.dims = dims
+        self._dim_specs: dict = {}  # (param, dtype) -> DTensorSpec
         super().__init__(*args, **kwargs)
 
     def _sharded_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
@@ -94,7 +95,7 @@ class ShardDimGroup(FSDPParamGroup):
         nd = self.nd[i] if self.nd is not None else None
         if nd is not None:
             return nd.sharded_spec(dtype)
-        cache = self.__dict__.setdefault("_dim_specs", {})
+        cache = self._dim_specs
         spec = cache.get((i, dtype))
         if spec is None:
             shape = self.full_shapes[i]

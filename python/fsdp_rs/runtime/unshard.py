@@ -198,6 +198,21 @@ class Unsharding:
         """The all-gather output's rows into the unsharded buffer."""
         self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
 
+    def _await_unshard(self, defer_release: bool = False) -> tuple:
+        """Take the unshard in flight (starting one if none is) and wait for its
+        collective: its pending tuple ``(work, output, event, ...)``.
+        ``defer_release``: see ``wait_for_unshard``."""
+        if self._pending_unshard is None:
+            self.unshard()
+        pending, self._pending_unshard = self._pending_unshard, None
+        work, event = pending[0], pending[2]
+        if defer_release:
+            self.streams.flush_all_gather()
+        self.streams.wait_current(event)
+        if work is not None:
+            work.wait()
+        return pending
+
     @outside_functorch
     def wait_for_unshard(self, defer_release: bool = False) -> None:
         """Finish the unshard (start it first if needed): wait for the all-gather,
@@ -206,16 +221,8 @@ class Unsharding:
         [Note: Cross-stream lifetimes])."""
         if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
             return
-        if self._pending_unshard is None:
-            self.unshard()
-        work, ag, event, source = self._pending_unshard
-        self._pending_unshard = None
+        work, ag, _, source = self._await_unshard(defer_release)
         streams = self.streams
-        if defer_release:
-            streams.flush_all_gather()
-        streams.wait_current(event)
-        if work is not None:
-            work.wait()
         self._alloc_unsharded()
         self._copy_out(ag)
         # Rows for a post-forward reshard: only outside backward, which reshards to
@@ -233,12 +240,8 @@ class Unsharding:
     def discard_unshard_state(self) -> None:
         """``reset_iter_state``: finish an unshard in flight (its collective was
         issued), then go back to SHARDED, dropping post-forward rows."""
-        pending, self._pending_unshard = self._pending_unshard, None
-        if pending is not None:
-            work, event = pending[0], pending[2]  # (work, output, event, ...)
-            if work is not None:
-                work.wait()
-            self.streams.wait_current(event)
+        if self._pending_unshard is not None:
+            self._await_unshard()
         self.reshard()
 
     @outside_functorch
