@@ -129,10 +129,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
+from fsdp_rs.runtime.nd import DTensorParam
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 
 __all__ = ["GradientReduction"]
@@ -281,10 +283,10 @@ class GradientReduction:
         params = self._unsharded_with_grad
         if self._kept is not None and self._kept is not params:
             # [No sync] the unsharded parameters were made again since (adoption)
-            self._accumulated = get_grads(self._kept)
+            self._accumulated = self._read_grads(self._kept)
             clear_grads(self._kept)
             self._kept = None
-        grads = get_grads(params)
+        grads = self._read_grads(params)
         keep = not self.reduce_grads and self._keeps_on_params(grads)
         if keep:
             self._kept = params  # [No sync] as FSDP2: see [Note: Reduction memory]
@@ -305,6 +307,15 @@ class GradientReduction:
         else:  # autograd runs hooks without grad mode: spare the context (~3 us)
             self._reduce_grads(grads)
         self._free_grad_buffer()
+
+    def _read_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The gradients autograd left on the unsharded ``params`` (those with a
+        gradient); an annotated parameter's read as the DTensor it is ([Note:
+        spmd_types parameters]), before anything else sees it."""
+        grads = get_grads(params)
+        if self.annotations is not None:
+            grads[:] = map(DTensorParam.typed_grad, self._grad_nd, grads)
+        return grads
 
     def _keeps_on_params(self, grads: list[torch.Tensor | None]) -> bool:
         """[No sync] Whether this backward's gradients stay on the unsharded

@@ -33,11 +33,12 @@ gradients]): autograd hands over DTensors, which a plain alias cannot stand for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -55,6 +56,7 @@ class DTensorParam:
     mesh: DeviceMesh  # of the sharded parameter
     placements: tuple
     keep_on_dims: frozenset = frozenset()  # dp_mesh_dims: DP dims left to the reduction
+    annotation: Any = None  # [Note: spmd_types parameters]
     _specs: dict = field(default_factory=dict)
 
     @property
@@ -70,7 +72,14 @@ class DTensorParam:
         """Whether its gradient may be reduced over a non-DP dim before FSDP's
         reduction (a replicated placement there can get a ``Partial`` gradient,
         e.g. a sequence-parallel norm's weight): FSDP2 (torch >= 2.15) then has
-        autograd leave it in the reduce dtype, so that reduction runs in it too."""
+        autograd leave it in the reduce dtype, so that reduction runs in it too.
+        An annotated parameter's types say it: a ``Partial`` backward type."""
+        if self.annotation is not None:
+            return any(
+                isinstance(p, Partial)
+                for i, p in enumerate(self.annotation.grad_placements)
+                if i not in self.keep_on_dims
+            )
         return any(
             isinstance(p, Replicate)
             for i, p in enumerate(self.unsharded.placements)
@@ -94,6 +103,13 @@ class DTensorParam:
             meta = TensorMeta(meta.shape, meta.stride, dtype)
             spec = self._specs[key] = replace(self.unsharded, tensor_meta=meta)
         return spec
+
+    def typed_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """An annotated parameter's plain gradient as a DTensor of its backward
+        types ([Note: spmd_types parameters]); any other as it is."""
+        if grad is None or self.annotation is None or isinstance(grad, DTensor):
+            return grad
+        return self.annotation.grad(grad, self.unsharded)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The local tensor to reduce of an unsharded gradient (a DTensor)."""

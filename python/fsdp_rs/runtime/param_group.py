@@ -46,6 +46,7 @@ from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.nd import dtensor_params
 from fsdp_rs.runtime.params import ManagedParams, alias_storage
 from fsdp_rs.runtime.policies import accumulates_wider, reduce_dtype_for
+from fsdp_rs.runtime.spmd_annotations import annotated_params
 from fsdp_rs.runtime.streams import NO_STREAMS
 from fsdp_rs.runtime.unshard import ShardedState, Unsharding, post_forward_process_group
 
@@ -109,6 +110,7 @@ _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 class FSDPParamGroup(Unsharding, GradientReduction):
     dims: list[int] | None = None  # the dim FSDP shards per parameter; None: all 0
+    annotations: list | None = None  # [Note: spmd_types parameters]
 
     def __init__(
         self,
@@ -125,8 +127,15 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.info = info
         self.device = info.device
         params = managed.params
+        # [Note: spmd_types parameters] annotated ones become DTensors first
+        annotated = annotated_params(managed.fqns, params, info)
+        if annotated is not None:
+            params, self.annotations = annotated
         # [Note: DTensor parameters] their local tensors are what is sharded
         self.nd = dtensor_params(managed.fqns, params, info, self.dims)
+        if annotated is not None:
+            for nd, annotation in zip(self.nd, self.annotations, strict=True):
+                nd.annotation = annotation
         self.requires_grad = list(map(_REQUIRES_GRAD, params))
         if self.nd is not None:
             params = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
@@ -467,6 +476,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 f"({listing}); convert the whole module (module.to(dtype)) or none of it"
             )
 
+    def restore_types(self, spmd) -> None:
+        """Give the unsharded parameters their ``spmd_types`` annotations back for
+        the forward ([Note: spmd_types parameters])."""
+        for param, annotation in zip(self.unsharded_params, self.annotations, strict=True):
+            if annotation is not None:
+                annotation.restore(spmd, param)
+
     def _make_unsharded_params(self) -> None:
         self._read_requires_grad()
         plan = self.plan
@@ -481,8 +497,11 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             for off, s, st, rg in zip(offsets, shapes, strides, self.requires_grad, strict=True)
         ]
         if self.nd is not None:  # [Note: DTensor parameters]
+            # an annotated parameter stays plain: [Note: spmd_types parameters]
             self.unsharded_params = [
-                p if nd is None else _parameter(p.detach(), nd.unsharded_spec(p.dtype), rg)
+                p
+                if nd is None or nd.annotation is not None
+                else _parameter(p.detach(), nd.unsharded_spec(p.dtype), rg)
                 for p, nd, rg in zip(
                     self.unsharded_params, self.nd, self.requires_grad, strict=True
                 )

@@ -39,6 +39,7 @@ fire on it ([Note: Backward order]).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from fsdp_rs.runtime.grad_buffers import local_tensor
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.plan_check import check_plans, groups_of, param_fqn
+from fsdp_rs.runtime.spmd_annotations import spmd_types_module, untyped
 from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
 
 __all__ = ["Context", "FSDPState"]
@@ -80,6 +82,10 @@ class Context:
         self.post_optim_event = None
         # Where the root moves forward inputs (FSDP2 moves them to its mesh's device).
         self.device: torch.device | None = None
+        # [Note: spmd_types parameters] with annotated parameters: the package, and
+        # what pauses its type checking around the hooks' own tensor work
+        self.spmd = None
+        self.untyped = _nothing
 
 
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
@@ -87,6 +93,13 @@ def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
     args, kwargs = inputs
     tensors = args if not kwargs and all(map(_is_tensor, args)) else tensors_in(inputs)
     return any(t.device != device for t in tensors)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _nothing() -> contextlib.nullcontext:
+    return _NOTHING
 
 
 class _PostBackward(torch.autograd.Function):
@@ -193,6 +206,10 @@ class FSDPState:
             group.agreement = context.agreement
         if groups:
             context.device = (self.group or groups[0]).device
+        if any(group.annotations is not None for group in groups):
+            context.spmd = spmd_types_module()
+            context.spmd.register_local_autograd_function(_PostBackward)
+            context.untyped = untyped
         context.is_last_backward = self.is_last_backward
         context.post_optim_event = self.post_optim_event
         for state in states:
@@ -208,35 +225,26 @@ class FSDPState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.context is None:
             self._lazy_init()
+        context = self.context
         if self.is_root:
-            self._root_pre_forward()
-            device = self.context.device
-            if device is not None and _elsewhere((args, kwargs), device):
-                # As FSDP2 (and DDP): tensors anywhere in the inputs go to the
-                # parameters' device; inputs already there are passed as they are.
-                args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, device, False)
-                args, kwargs = args_tuple[0], kwargs_tuple[0]
+            with context.untyped():
+                args, kwargs = self._root_pre_forward(args, kwargs)
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
         starts = group is not None and not self._modules_ran  # the group's forward begins
         if starts:
-            if torch.is_grad_enabled():
-                order = self.context.forward_order
-                self._forward_index = len(order)
-                order.append(self)
-            group.unshard(side_streams=True)
-            group.wait_for_unshard(defer_release=True)
-            for other in self.forward_prefetch:
-                if other.group is not None:
-                    other.group.prefetch()
+            with context.untyped():
+                self._unshard_for_forward()
+            if context.spmd is not None and group.annotations is not None:
+                group.restore_types(context.spmd)
         self._call_hooked = False
         if starts and torch.is_grad_enabled():  # [Note: Groups over several modules]
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    def _root_pre_forward(self) -> None:
+    def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self.context
         if torch.is_grad_enabled():
             context.forward_order = []
@@ -244,8 +252,34 @@ class FSDPState:
         # The all-gathers read the sharded buffers the optimizer wrote.
         context.streams.all_gather_streams_wait_current(context.post_optim_event)
         context.post_optim_event = None
+        device = context.device
+        if device is not None and _elsewhere((args, kwargs), device):
+            # As FSDP2 (and DDP): tensors anywhere in the inputs go to the
+            # parameters' device; inputs already there are passed as they are.
+            args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
+        return args, kwargs
+
+    def _unshard_for_forward(self) -> None:
+        group = self.group
+        if torch.is_grad_enabled():
+            order = self.context.forward_order
+            self._forward_index = len(order)
+            order.append(self)
+        group.unshard(side_streams=True)
+        group.wait_for_unshard(defer_release=True)
+        for other in self.forward_prefetch:
+            if other.group is not None:
+                other.group.prefetch()
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        with self.context.untyped():
+            output = self._post_forward(module, output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def _post_forward(self, module: nn.Module, output: Any) -> Any:
         group = self.group
         if group is not None:
             ran = self._modules_ran
@@ -257,8 +291,6 @@ class FSDPState:
         if self.is_root:
             self._complete_partial_forwards()
             self.context.streams.flush_all_gather()  # the last group's all-gather output
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     def reset_iter_state(self) -> None:
@@ -345,6 +377,10 @@ class FSDPState:
         return output
 
     def _pre_backward(self, *unused: Any) -> None:
+        with self.context.untyped():
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
         context = self.context
         if not context.callback_queued:
             context.callback_queued = True
@@ -385,13 +421,18 @@ class FSDPState:
 
     def post_backward(self) -> None:
         if self.group is not None and not self.group.post_backward_done:
-            self.group.post_backward()
+            with self.context.untyped():
+                self.group.post_backward()
 
     def _post_backward_hook(self, grads: tuple) -> None:
         self.post_backward()
 
     def _end_of_backward(self) -> None:
         """The root's callback once the whole backward ran; see [Note: Backward hooks]."""
+        with self.context.untyped():
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         context = self.context
         context.callback_queued = False
         for state, hooked in context.backward_order.rest():
