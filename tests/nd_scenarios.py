@@ -426,6 +426,56 @@ def spmd_dp_mesh_dims(world_size: int, rank: int, tp: int = 2, steps: int = 2) -
     return out
 
 
+class _DPNet(nn.Module):
+    """An MLP whose parameters are DTensors replicated on every dim of a mesh
+    that is all data parallel; takes this rank's rows, sharded on every dim."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, DIM)
+        self.head = nn.Linear(DIM, OUT)
+        replicated = [Replicate()] * mesh.ndim
+        for module in (self.w1, self.w2, self.head):
+            for name, p in list(module.named_parameters()):
+                setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, replicated)))
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = DTensor.from_local(x, self.mesh, [Shard(0)] * self.mesh.ndim, run_check=False)
+        x = x + self.w2(torch.relu(self.w1(x)))
+        return self.head(x).to_local()
+
+
+def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2) -> dict:
+    """``dp_mesh_dims`` naming two shard dims (torchtitan's FSDP over dp_shard x
+    cp): they act as one flattened DP dim, in the sharded parameters' mesh too."""
+    if not HAS_DP_MESH_DIMS:
+        return {"skipped": True}
+    dims = torch_fsdp.DataParallelMeshDims(shard=("dp_shard", "cp"))
+    mesh = _several_mesh(world_size)
+    out = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        model = _DPNet(mesh)
+        LIBS[lib](model.w1, mesh=mesh, dp_mesh_dims=dims)
+        LIBS[lib](model, mesh=mesh, dp_mesh_dims=dims)
+        sharded = _params(model)
+
+        def batch(step: int) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            return torch.randn(BATCH, DIM, generator=gen)
+
+        trained = _train(model, batch, _mse, steps)
+        out[lib] = {"sharded": sharded, **trained, "params": _params(model)}
+    return out
+
+
+@functools.cache
+def _several_mesh(world_size: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_shard", "cp"))
+
+
 def _error_name(fn: Callable) -> list[str] | None:
     """The names of the classes the raised exception is an instance of (its
     own first), or None."""
@@ -521,6 +571,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "dcp_2d": (dcp_2d, {"min_world": 4}),
     "spmd_dp_mesh_dims": (spmd_dp_mesh_dims, {"tp": 1}),
     "spmd_dp_mesh_dims_tp": (spmd_dp_mesh_dims, {"min_world": 4}),
+    "spmd_several_shard_dims": (spmd_several_shard_dims, {"min_world": 4}),
     "dp_only_2d_mesh_1_tp": (tp_mlp, {"tp": 1}),
     "errors": (errors, {}),
     "clip_mixed_meshes": (clip_mixed_meshes, {"min_world": 4}),

@@ -48,12 +48,28 @@ _FP32 = {"op_dtype": torch.float32}  # gradient reductions of bf16 activations
 
 
 @functools.cache
-def _mesh(world_size: int, tp: int) -> DeviceMesh:
+def _mesh(world_size: int, tp: int, cp: bool = False) -> DeviceMesh:
     """(dp, tp), or a 1-D dp mesh for ``tp == 1`` (a size-1 dim has no
-    spmd_types axis, so a parameter cannot be typed on it)."""
+    spmd_types axis, so a parameter cannot be typed on it); with ``cp``, (dp,
+    cp), both data parallel (torchtitan's FSDP over dp_shard x cp)."""
+    if cp:
+        return init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "cp"))
     if tp == 1:
         return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _dp_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(n for n in mesh.mesh_dim_names if n != "tp")
+
+
+def _dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index over the DP dims (flattened) and their size."""
+    index, size = 0, 1
+    for name in _dp_names(mesh):
+        index = index * mesh[name].size() + mesh[name].get_local_rank()
+        size *= mesh[name].size()
+    return index, size
 
 
 class Block(nn.Module):
@@ -82,7 +98,8 @@ class Block(nn.Module):
                 (self.w2.bias, spmd.I),
                 (self.scale, spmd.R),
             ):
-                spmd.assert_type(param, {"dp": spmd.R, "tp": kind} if has_tp else {"dp": spmd.R})
+                types = dict.fromkeys(_dp_names(mesh), spmd.R)
+                spmd.assert_type(param, {**types, "tp": kind} if has_tp else types)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
@@ -146,7 +163,8 @@ class Net(nn.Module):
 
 
 def _shard(lib: str, model: Net, mesh: DeviceMesh, **kwargs) -> Net:
-    dims = torch_fsdp.DataParallelMeshDims(shard="dp")
+    names = _dp_names(mesh)
+    dims = torch_fsdp.DataParallelMeshDims(shard=names[0] if len(names) == 1 else names)
     for block in model.blocks:
         LIBS[lib](block, mesh=mesh, dp_mesh_dims=dims, **kwargs)
     LIBS[lib](model, mesh=mesh, dp_mesh_dims=dims, **kwargs)
@@ -173,7 +191,13 @@ def _observe(model: nn.Module, grads: bool = False) -> dict:
 
 
 def training(
-    world_size: int, rank: int, tp: int = 1, steps: int = 3, typecheck: bool = False, **kwargs
+    world_size: int,
+    rank: int,
+    tp: int = 1,
+    cp: bool = False,
+    steps: int = 3,
+    typecheck: bool = False,
+    **kwargs,
 ) -> dict:
     """Sharded parameters, then ``steps`` AdamW steps: losses, the unsharded
     parameters' types in forward (plain), the last step's sharded gradients and
@@ -188,8 +212,9 @@ def training(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    mesh = _mesh(world_size, tp)
-    dp = mesh["dp"].get_local_rank()
+    mesh = _mesh(world_size, tp, cp)
+    dp, dp_size = _dp_rank_size(mesh)
+    dp_groups = [mesh.get_group(n) for n in _dp_names(mesh)]
     out = {}
     for lib in LIBS:
         model = _shard(lib, Net(mesh), mesh, **kwargs)
@@ -204,16 +229,17 @@ def training(
             x = _batch(dp, step)
             with checked(), spmd.set_current_mesh(mesh):
                 if typecheck:
-                    types = {"dp": spmd.V, "tp": spmd.I} if tp > 1 else {"dp": spmd.V}
-                    spmd.assert_type(x, types)
+                    types = dict.fromkeys(_dp_names(mesh), spmd.V)
+                    spmd.assert_type(x, {**types, "tp": spmd.I} if tp > 1 else types)
                 loss = model(x).float().pow(2).mean()
-                if typecheck:  # the DP ranks' losses are summands of one: V -> P on dp
-                    dp_group = mesh.get_group("dp")
-                    loss = spmd.reinterpret(loss, dp_group, src=spmd.V, dst=spmd.P)
+                for group in dp_groups if typecheck else ():
+                    # the DP ranks' losses are summands of one: V -> P on the DP dims
+                    loss = spmd.reinterpret(loss, group, src=spmd.V, dst=spmd.P)
                 loss.backward()
             total = loss.detach().clone()  # the mean over DP ranks, as the reference's
-            dist.all_reduce(total, group=mesh.get_group("dp"))
-            losses.append(total.item() / mesh["dp"].size())
+            for group in dp_groups:
+                dist.all_reduce(total, group=group)
+            losses.append(total.item() / dp_size)
             if step == steps - 1:
                 grads = _observe(model, grads=True)
             optim.step()
@@ -225,7 +251,7 @@ def training(
             "grads": grads,
             "params": _observe(model),
         }
-    out["reference"] = _reference(mesh["dp"].size(), steps)
+    out["reference"] = _reference(dp_size, steps)
     return out
 
 
@@ -275,6 +301,8 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "dp_tp_bf16": (training, {"tp": 2, "bf16": True, "min_world": 4}),
     "dp_typechecked": (training, {"typecheck": True}),
     "dp_tp_typechecked": (training, {"tp": 2, "typecheck": True, "min_world": 4}),
+    "dp_cp": (training, {"cp": True, "min_world": 4}),
+    "dp_cp_typechecked": (training, {"cp": True, "typecheck": True, "min_world": 4}),
     "errors": (errors, {}),
 }
 

@@ -98,7 +98,9 @@ def test_dcp_across_libraries(results):
         }, rank
 
 
-@pytest.mark.parametrize("name", ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp"])
+@pytest.mark.parametrize(
+    "name", ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp", "spmd_several_shard_dims"]
+)
 def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
     for rank, r in _each_rank(results, name):
         _assert_same(rank, r["rs"], r["torch"])

@@ -29,7 +29,17 @@ def _each_rank(results, name: str):
 
 @pytest.mark.parametrize(
     "name",
-    ["dp", "dp_keep", "dp_bf16", "dp_tp", "dp_tp_bf16", "dp_typechecked", "dp_tp_typechecked"],
+    [
+        "dp",
+        "dp_keep",
+        "dp_bf16",
+        "dp_tp",
+        "dp_tp_bf16",
+        "dp_typechecked",
+        "dp_tp_typechecked",
+        "dp_cp",
+        "dp_cp_typechecked",
+    ],
 )
 def test_training_matches_fsdp2(results, name):
     for rank, r in _each_rank(results, name):
@@ -66,7 +76,7 @@ def test_errors_match_fsdp2(results):
             assert got.split(":")[0] == ref.split(":")[0], f"rank {rank}, {case}: {got} vs {ref}"
 
 
-@pytest.mark.parametrize("name", ["dp", "dp_tp"])
+@pytest.mark.parametrize("name", ["dp", "dp_tp", "dp_cp"])
 def test_training_matches_unsharded_reference(results, name):
     """The math itself: losses and trained ``full_tensor()`` values equal, to
     fp32 rounding, one rank training the unsharded model on all DP ranks'

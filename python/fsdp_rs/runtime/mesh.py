@@ -157,9 +157,26 @@ def _names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh of ``names``: several (FSDP over dp_shard x cp) are flattened
+    into one, as FSDP2 does, named by joining them with ``_``. They must be
+    adjacent dims in mesh order (the flattened dim takes their place)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    index = [mesh.mesh_dim_names.index(n) for n in names]
+    if index != list(range(index[0], index[0] + len(index))):
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims names {names}, not adjacent dims in the order of the "
+            f"mesh's {mesh.mesh_dim_names}; fsdp-rs flattens several DP dims into one in their "
+            "place: list adjacent dims in mesh order"
+        )
+    return mesh[names]._flatten("_".join(names))
+
+
 def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the DP dims of the full
-    mesh, checked as FSDP2 checks them ([Note: DTensor parameters])."""
+    mesh, checked as FSDP2 checks them ([Note: DTensor parameters]); several
+    shard (or replicate) dims act as one, flattened."""
     shard, replicate = _names(dims.shard), _names(dims.replicate)
     if not shard and not replicate:
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
@@ -175,16 +192,11 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             "fully_shard: dp_mesh_dims with replicate dims only (DDP) is not supported by "
             "fsdp-rs; name a shard dim (FSDP / HSDP)"
         )
-    if len(shard) > 1 or len(replicate) > 1:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims names several shard or replicate dims ({shard}, "
-            f"{replicate}); fsdp-rs takes one of each: flatten them into one mesh dim"
-        )
-    shard_mesh = mesh[shard[0]]
+    shard_mesh = _one_dim(mesh, shard)
     group = shard_mesh.get_group(0)
     rep_group, rep_size, dp_mesh = None, 1, shard_mesh
     if replicate:
-        rep_mesh = mesh[replicate[0]]
+        rep_mesh = _one_dim(mesh, replicate)
         rep_group, rep_size = rep_mesh.get_group(0), rep_mesh.size()
         concatenate = getattr(DeviceMesh, "_concatenate", None)
         if concatenate is not None:

@@ -19,6 +19,9 @@ interchange exactly:
   where the other dims already split dim 0 ``k`` ways, ``Replicate()`` on a
   replicate dim, and the parameter's own placements on the others; its global
   shape and stride are the parameter's;
+- with several DP shard dims (``dp_mesh_dims`` naming dp_shard and cp) the
+  sharded parameter's mesh has the DP mesh, whose shard dim flattens them, in
+  their place (``mesh.mesh_info``'s ``_one_dim``), as FSDP2's;
 - the unsharded parameter is a DTensor with the parameter's own spec (in the
   parameter dtype) over the unsharded buffer;
 - a gradient is brought to the parameter's own placements first (a
@@ -200,15 +203,29 @@ def _spmd(fqn: str, p: DTensor, info: MeshInfo, dim: int, memo: dict) -> DTensor
                 f"Expected Replicate() on DP dim '{names[i]}' (index {i}) but got "
                 f"{spec.placements[i]} (parameter {fqn})"
             )
-    if len(shard_idx) > 1:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims with several shard dims ({info.dp_dims.shard_names}) "
-            "is not supported by fsdp-rs yet: flatten them into one mesh dim"
-        )
     placements = list(spec.placements)
     for i in shard_idx:
         placements[i] = _dp_placement(spec, dim, range(i + 1, mesh.ndim))
-    return DTensorParam(spec, mesh, tuple(placements), frozenset(shard_idx + replicate_idx))
+    keep = frozenset(shard_idx + replicate_idx)
+    if len(shard_idx) == 1:
+        return DTensorParam(spec, mesh, tuple(placements), keep)
+    # Several shard dims (dp_shard x cp): the sharded parameter lives on the mesh
+    # with the DP mesh (its flattened shard dim, after the replicate one for HSDP)
+    # in their place, as FSDP2's does.
+    first, hsdp = min(shard_idx), info.replicate_group is not None
+    meshes, sharded = [], []
+    for i, name in enumerate(names):
+        if i == first:
+            meshes.append(info.mesh)
+            sharded += [Replicate(), placements[i]] if hsdp else [placements[i]]
+        elif i not in shard_idx and not (hsdp and i in replicate_idx):
+            meshes.append(mesh[name])
+            sharded.append(placements[i])
+    key = ("flattened", id(mesh))
+    flat = memo.get(key)
+    if flat is None:
+        flat = memo[key] = _concatenate(meshes)
+    return DTensorParam(spec, flat, tuple(sharded), keep)
 
 
 def dtensor_params(
