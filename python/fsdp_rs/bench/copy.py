@@ -491,12 +491,16 @@ def _pre_len(g: Group) -> list[tuple[int, int]]:
     ]
 
 
-def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
-    """Copy-out of ``Shard(d)`` params: one strided copy per param against
-    FSDP2's ``split_with_sizes_copy`` into temporaries then ``torch.cat`` of
-    their chunks on ``d`` into the outputs."""
-    from fsdp_rs.runtime.shard_dim import copy_out_on_dims
+def _chunk_numel(g: Group) -> torch.Tensor:
+    """The ops' ``chunk_numel`` table of a ``Shard(d)`` case."""
+    runs = [length for _, length in _pre_len(g)]
+    return torch.tensor(runs, dtype=torch.int64).to(g.device)
 
+
+def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
+    """Copy-out of ``Shard(d)`` params: the group's one copy-out with its
+    ``chunk_numel`` table against FSDP2's ``split_with_sizes_copy`` into
+    temporaries then ``torch.cat`` of their chunks on ``d`` into the outputs."""
     d, w, rows = g.dtypes, g.world_size, g.plan.row_numel
     sizes, shapes, dims = g.sizes, g.case.shapes, g.case.dims
     output = g.random(w, rows, dtype=d.param)
@@ -504,11 +508,11 @@ def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
     torch_output = g.packed(output)
     finals = [g.empty(math.prod(s), dtype=d.param) for s in shapes]
     split_copy = fsdp2.split_with_sizes_copy if fsdp2 else torch.split_with_sizes_copy
-    pre_len, rows_at = _pre_len(g), g.plan.row_offsets.tolist()
     starts = g.plan.unsharded_offsets.tolist()
+    tables, chunks = g.tables.copy_out_args(), _chunk_numel(g)
 
     def run_fsdp_rs() -> None:
-        copy_out_on_dims(output, unsharded, pre_len, rows_at, starts)
+        torch.ops.fsdp_rs.all_gather_copy_out(output, [unsharded], *tables, chunks)
 
     def run_torch() -> None:
         temps = [torch.empty(w * n, dtype=d.param, device=g.device) for n in sizes]
@@ -530,11 +534,10 @@ def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
 
 
 def _reduce_scatter_copy_in_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
-    """Reduce-scatter copy-in of ``Shard(d)`` gradients: one strided copy per
-    gradient against FSDP2's ``cat(chunk(grad, W, d), 0)`` per gradient then
-    ``chunk_cat``."""
-    from fsdp_rs.runtime.shard_dim import copy_in_on_dims
-
+    """Reduce-scatter copy-in of ``Shard(d)`` gradients: the group's one
+    copy-in with its ``chunk_numel`` table (each gradient viewed as its planned
+    ``(W, numel / W)``) against FSDP2's ``cat(chunk(grad, W, d), 0)`` per
+    gradient then ``chunk_cat``."""
     d, w, rows, total = g.dtypes, g.world_size, g.plan.row_numel, g.total
     shapes, dims = g.case.shapes, g.case.dims
     grads = [g.random(*s, dtype=d.param) for s in shapes]
@@ -542,10 +545,11 @@ def _reduce_scatter_copy_in_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
     torch_input = g.empty(w, total, dtype=d.reduce)
     pre, _ = fsdp2_divide_factors(d.reduce, w)
     chunk_cat = fsdp2.chunk_cat if fsdp2 else torch._chunk_cat
-    pre_len, rows_at = _pre_len(g), g.plan.row_offsets.tolist()
+    tables, chunks = g.tables.reduce_scatter_args(), _chunk_numel(g)
+    planned = [t.view(w, -1) for t in grads]
 
     def run_fsdp_rs() -> None:
-        copy_in_on_dims(grads, rs_input, pre_len, rows_at, pre)
+        torch.ops.fsdp_rs.reduce_scatter_copy_in(planned, rs_input, *tables, pre, chunks)
 
     def run_torch() -> None:
         stacked = [

@@ -16,11 +16,13 @@ from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, FLOAT_NAMES, is_copyable
 __all__ = [
     "check_arithmetic",
     "check_buffer",
+    "check_chunk_numel",
     "check_divide_factor",
     "check_layout_tables",
     "check_same_device",
     "check_table",
     "check_tile_table",
+    "chunk_runs",
 ]
 
 
@@ -138,3 +140,28 @@ def check_layout_tables(
         check_table(op, name, table, torch.int64, num_params)
     check_tile_table(op, tile_param, tile_start, tile_len)
     return num_params
+
+
+def check_chunk_numel(
+    op: str, chunk_numel: torch.Tensor | None, num_params: int, like: torch.Tensor
+) -> None:
+    """The optional per-param run table of parameters sharded on a dim > 0
+    ([Note: Chunked copies] in ``all_gather_copy_out.py``): int64, one entry per
+    param, on the buffers' device."""
+    if chunk_numel is None:
+        return
+    check_table(op, "chunk_numel", chunk_numel, torch.int64, num_params)
+    check_same_device(op, [("chunk_numel", chunk_numel), ("row_offsets", like)])
+
+
+def chunk_runs(padded: list[int], chunk_numel: torch.Tensor, op: str) -> list[int]:
+    """The host copy of ``chunk_numel`` (the references' loop bounds), each a
+    positive divisor of its param's padded shard numel (0 for an empty one)."""
+    runs = chunk_numel.tolist()
+    for p, (n, run) in enumerate(zip(padded, runs, strict=True)):
+        if (run <= 0 and n > 0) or (run > 0 and n % run):
+            raise ValueError(
+                f"{op}: chunk_numel[{p}] = {run} does not divide param {p}'s shard of {n} "
+                "elements; pass (shard size on the sharded dim) * (numel of the dims after it)"
+            )
+    return runs

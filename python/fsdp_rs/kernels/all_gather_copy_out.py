@@ -14,6 +14,18 @@ param, so one launch serves any number of params. Tiles over alignment gaps copy
 nothing. Per-param destinations are reached through a table of int64 addresses.
 The copy never casts, so it moves raw bits of any dtype ([Note: Raw copies] in
 ``_dtypes.py``).
+
+[Note: Chunked copies]
+A parameter FSDP shards on a dim ``d > 0`` ([Note: Sharding on another dim] in
+``runtime/shard_dim.py``) is planned as ``(W, pre * L)``: rank ``r``'s ``n =
+pre * L`` elements are its local shard, ``pre`` runs of ``L`` (the shard's size
+on ``d`` times the numel of the dims after it), and in the unsharded parameter
+run ``a`` of rank ``r`` starts at ``(a * W + r) * L``, not at ``r * n + a * L``.
+The optional table ``chunk_numel`` gives ``L`` per param (``n`` for a param
+sharded on dim 0, which makes both formulas one); with it, element ``j`` of a
+rank's segment goes to ``(j // L) * W * L + r * L + j % L``. The kernel reads
+and writes each element once, as without it, in the same launch as the group's
+other params; ``reduce_scatter_copy_in`` reads gradients by the same map.
 """
 
 from __future__ import annotations
@@ -24,8 +36,10 @@ import torch
 
 from fsdp_rs.kernels._checks import (
     check_buffer,
+    check_chunk_numel,
     check_layout_tables,
     check_same_device,
+    chunk_runs,
 )
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._dtypes import bits
@@ -59,6 +73,7 @@ def check_all_gather_copy_out(
     tile_param: torch.Tensor,
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """O(1) checks, plus one per output tensor when ``out`` holds one per param.
 
@@ -68,6 +83,7 @@ def check_all_gather_copy_out(
     num_params = check_layout_tables(
         OP, row_offsets, unsharded_offsets, padded_numel, tile_param, tile_start, tile_len
     )
+    check_chunk_numel(OP, chunk_numel, num_params, row_offsets)
     if len(out) not in (1, num_params):
         raise ValueError(
             f"{OP}: out must hold the group's unsharded buffer (1 tensor) or one tensor per "
@@ -100,16 +116,22 @@ def torch_all_gather_copy_out(
     tile_param: torch.Tensor,
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """Reference. Into the group buffer: one gather by a cached element index
     ([Note: Cached CPU indices]), no loop over params or ranks (the tile table
-    is only checked). Per-param outputs are filled by ``split_with_sizes_copy``."""
+    is only checked). Per-param outputs are filled by ``split_with_sizes_copy``.
+    With ``chunk_numel``, one strided copy per param ([Note: Chunked copies])."""
     check_all_gather_copy_out(
         all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len,
+        tile_param, tile_start, tile_len, chunk_numel,
     )  # fmt: skip
     world_size, row_numel = all_gather_output.shape
     all_gather_output, out = bits(all_gather_output), list(map(bits, out))
+    if chunk_numel is not None:
+        _copy_out_chunked(all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
+                          chunk_numel)  # fmt: skip
+        return
     if len(out) == 1:
         index = copy_out_index(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
@@ -140,6 +162,35 @@ def torch_all_gather_copy_out(
     )
 
 
+def _copy_out_chunked(
+    all_gather_output: torch.Tensor,
+    out: list[torch.Tensor],
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    chunk_numel: torch.Tensor,
+) -> None:
+    """Each param's ``(W, pre, L)`` row block into its unsharded ``(pre, W, L)``."""
+    world_size = all_gather_output.size(0)
+    padded = padded_numel.tolist()
+    runs = chunk_runs(padded, chunk_numel, OP)
+    starts = unsharded_offsets.tolist() if len(out) == 1 else [0] * len(padded)
+    for p, (r, n, run, u) in enumerate(
+        zip(row_offsets.tolist(), padded, runs, starts, strict=True)
+    ):
+        if n == 0:
+            continue
+        dst = out[0] if len(out) == 1 else out[p]
+        pre = n // run
+        if u + world_size * n > dst.numel():
+            raise ValueError(f"{OP}: param {p} ends past its output ({dst.numel()} elements)")
+        view = dst.as_strided(
+            (pre, world_size, run), (world_size * run, run, 1), dst.storage_offset() + u
+        )
+        block = all_gather_output[:, r : r + n].view(world_size, pre, run)
+        view.copy_(block.transpose(0, 1))
+
+
 @jit
 def _copy_out_kernel(
     src,
@@ -152,9 +203,11 @@ def _copy_out_kernel(
     tile_param,
     tile_start,
     tile_len,
+    chunk_numel,
     row_numel,
     out_numel,
     PER_PARAM: tl.constexpr,
+    CHUNKED: tl.constexpr,
     DTYPE: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -174,17 +227,33 @@ def _copy_out_kernel(
     row_offset = tl.load(row_offsets + p) * WORDS
     count = tl.minimum(count, row_numel - row_offset - start)
     src_base = src + rank * row_numel + row_offset + start
-    if PER_PARAM:
-        count = tl.minimum(count, tl.load(dst_numel + p) - rank * n - start)
-        dst_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE)) + rank * n + start
+    if CHUNKED:  # [Note: Chunked copies]
+        run = tl.maximum(tl.load(chunk_numel + p) * WORDS, 1)
+        world = tl.num_programs(1).to(tl.int64)
+        if PER_PARAM:
+            param_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE))
+            limit = tl.load(dst_numel + p)
+        else:
+            param_base = dst + tl.load(unsharded_offsets + p) * WORDS
+            limit = out_numel - tl.load(unsharded_offsets + p) * WORDS
+        for i in range(0, loop_bound(count), BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            j = start + offs
+            to = (j // run) * (world * run) + rank * run + j % run
+            mask = (offs < count) & (to < limit)
+            tl.store(param_base + to, tl.load(src_base + offs, mask=mask), mask=mask)
     else:
-        dst_offset = tl.load(unsharded_offsets + p) * WORDS + rank * n + start
-        count = tl.minimum(count, out_numel - dst_offset)
-        dst_base = dst + dst_offset
-    for i in range(0, loop_bound(count), BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        mask = offs < count
-        tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+        if PER_PARAM:
+            count = tl.minimum(count, tl.load(dst_numel + p) - rank * n - start)
+            dst_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE)) + rank * n + start
+        else:
+            dst_offset = tl.load(unsharded_offsets + p) * WORDS + rank * n + start
+            count = tl.minimum(count, out_numel - dst_offset)
+            dst_base = dst + dst_offset
+        for i in range(0, loop_bound(count), BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            mask = offs < count
+            tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
 
 
 def triton_all_gather_copy_out(
@@ -196,12 +265,13 @@ def triton_all_gather_copy_out(
     tile_param: torch.Tensor,
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """One launch, grid (tiles, world size), whatever the number of params."""
     require_triton()
     check_all_gather_copy_out(
         all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len,
+        tile_param, tile_start, tile_len, chunk_numel,
     )  # fmt: skip
     num_tiles = tile_param.numel()
     if num_tiles == 0 or all_gather_output.shape[0] == 0:
@@ -227,9 +297,11 @@ def triton_all_gather_copy_out(
         tile_param,
         tile_start,
         tile_len,
+        row_offsets if chunk_numel is None else chunk_numel,  # unused without
         row_numel,
         out[0].numel(),
         PER_PARAM=per_param,
+        CHUNKED=chunk_numel is not None,
         DTYPE=TL_DTYPES[all_gather_output.dtype],
         WORDS=words,
         BLOCK=BLOCK,

@@ -8,7 +8,10 @@ to the reduce dtype and an optional pre-division (FSDP2 pre-divides fp16
 gradients to avoid overflow) are fused in. The tiles of the planner's tile table
 cover every row exactly, so no separate zero-fill pass is needed. Without a
 cast or a division the copy moves raw bits, any dtype ([Note: Raw copies] in
-``_dtypes.py``).
+``_dtypes.py``). With ``chunk_numel``, a param's rank-``r`` elements are read
+by the map of [Note: Chunked copies] (``all_gather_copy_out.py``): the
+gradient of a param sharded on a dim ``d > 0``, passed viewed as the planned
+``(W, pre * L)``.
 
 [Note: Pointer tables]
 Autograd hands over one gradient tensor per param, each its own allocation, so
@@ -36,10 +39,12 @@ import torch
 from fsdp_rs.kernels._checks import (
     check_arithmetic,
     check_buffer,
+    check_chunk_numel,
     check_divide_factor,
     check_same_device,
     check_table,
     check_tile_table,
+    chunk_runs,
 )
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
@@ -73,6 +78,7 @@ def check_reduce_scatter_copy_in(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """O(1) checks; the per-gradient ones happen where the gradients are read
     (the dtype of the first gradient is checked here)."""
@@ -81,6 +87,7 @@ def check_reduce_scatter_copy_in(
     check_table(OP, "row_offsets", row_offsets, torch.int64, num_params)
     check_table(OP, "padded_numel", padded_numel, torch.int64, num_params)
     check_tile_table(OP, tile_param, tile_start, tile_len)
+    check_chunk_numel(OP, chunk_numel, num_params, row_offsets)
     check_same_device(
         OP,
         [
@@ -187,25 +194,31 @@ def torch_reduce_scatter_copy_in(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """Reference: the gradients flattened and concatenated (zeros of ``W * n``
     elements standing in for a missing one), then one gather by a cached index
-    ([Note: Cached CPU indices]) writes every row, padding and gaps included.
-    Then ``div_``."""
+    ([Note: Cached CPU indices]) writes every row, padding and gaps included;
+    with ``chunk_numel``, one strided copy per gradient. Then ``div_``."""
     check_reduce_scatter_copy_in(
         grads, reduce_scatter_input, row_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor,
+        tile_param, tile_start, tile_len, divide_factor, chunk_numel,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
-    index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+    index = None
+    if chunk_numel is None:
+        index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
     if dtype == reduce_scatter_input.dtype and dtype not in FLOAT_DTYPES:
         # raw bits: the same copies of integer views ([Note: Raw copies])
         grads = [None if g is None else bits(g) for g in grads]
         reduce_scatter_input = bits(reduce_scatter_input)
         dtype = reduce_scatter_input.dtype
-    if index is None:  # over the index budget
+    if chunk_numel is not None:
+        runs = chunk_runs(padded_numel.tolist(), chunk_numel, OP)
+        _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs)
+    elif index is None:  # over the index budget
         _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
     else:
         _gather(grads, reduce_scatter_input, index, numels, dtype)
@@ -230,18 +243,23 @@ def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
         reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
 
 
-def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel) -> None:
+def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs=None) -> None:
     """[Note: Cached CPU indices] without an index: each gradient's ``W`` chunks
     of ``n`` elements into its columns (zeros past its end, and for a missing
-    one), and zeros into the gap columns."""
+    one), and zeros into the gap columns. With ``runs`` (the host
+    ``chunk_numel``), each gradient's ``(pre, W, L)`` into its ``(W, pre, L)``."""
     world_size, row_numel = reduce_scatter_input.shape
     rows, padded = row_offsets.tolist(), padded_numel.tolist()
-    for g, r, n in zip(grads, rows, padded, strict=True):
+    for p, (g, r, n) in enumerate(zip(grads, rows, padded, strict=True)):
         dst = reduce_scatter_input[:, r : r + n]
         if g is None:
             dst.zero_()
             continue
         flat = g.reshape(-1)
+        if runs is not None and n:
+            pre, run = n // runs[p], runs[p]
+            dst.view(world_size, pre, run).copy_(flat.view(pre, world_size, run).transpose(0, 1))
+            continue
         full, rest = divmod(flat.numel(), n) if n else (world_size, 0)
         dst[:full].copy_(flat[: full * n].view(full, n))
         if full < world_size:
@@ -262,10 +280,12 @@ def _rs_copy_in_kernel(
     tile_param,
     tile_start,
     tile_len,
+    chunk_numel,
     row_numel,
     inv_factor,
     GRAD_DTYPE: tl.constexpr,
     HAS_DIV: tl.constexpr,
+    CHUNKED: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -282,12 +302,24 @@ def _rs_copy_in_kernel(
     length = tl.minimum(tile_len_words, row_numel - row_offset - start)
     # Elements that come from the gradient; the rest of the tile is zeros:
     # padding rows past d0, the alignment gap, or a missing gradient (numel 0).
-    valid = tl.minimum(n, tl.load(grad_numel + p) - rank * n) - start
-    src = tl.load(grad_ptrs + p).to(tl.pointer_type(GRAD_DTYPE)) + rank * n + start
+    numel = tl.load(grad_numel + p)
+    valid = tl.minimum(n, numel - rank * n) - start
+    grad = tl.load(grad_ptrs + p).to(tl.pointer_type(GRAD_DTYPE))
+    src = grad + rank * n + start
     dst_base = dst + rank * row_numel + row_offset + start
+    run = 1
+    world = 1
+    if CHUNKED:  # [Note: Chunked copies]
+        run = tl.maximum(tl.load(chunk_numel + p) * WORDS, 1)
+        world = tl.num_programs(1).to(tl.int64)
     for i in range(0, loop_bound(length), BLOCK):
         offs = i + tl.arange(0, BLOCK)
-        x = tl.load(src + offs, mask=offs < valid, other=0.0)
+        if CHUNKED:
+            j = start + offs
+            frm = (j // run) * (world * run) + rank * run + j % run
+            x = tl.load(grad + frm, mask=(j < n) & (frm < numel), other=0.0)
+        else:
+            x = tl.load(src + offs, mask=offs < valid, other=0.0)
         y = x.to(dst.dtype.element_ty)
         if HAS_DIV:
             y = (y.to(tl.float32) * inv_factor).to(dst.dtype.element_ty)
@@ -303,12 +335,13 @@ def triton_reduce_scatter_copy_in(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    chunk_numel: torch.Tensor | None = None,
 ) -> None:
     """One launch, grid (tiles, world size); see [Note: Pointer tables]."""
     require_triton()
     check_reduce_scatter_copy_in(
         grads, reduce_scatter_input, row_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor,
+        tile_param, tile_start, tile_len, divide_factor, chunk_numel,
     )  # fmt: skip
     num_tiles = tile_param.numel()
     if num_tiles == 0:
@@ -340,10 +373,12 @@ def triton_reduce_scatter_copy_in(
         tile_param,
         tile_start,
         tile_len,
+        row_offsets if chunk_numel is None else chunk_numel,  # unused without
         row_numel,
         inv,
         GRAD_DTYPE=kernel_dtype(dtype),
         HAS_DIV=divide_factor != 1.0,
+        CHUNKED=chunk_numel is not None,
         WORDS=words,
         BLOCK=BLOCK,
         num_warps=4,

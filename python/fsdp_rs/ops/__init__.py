@@ -4,9 +4,10 @@ Importing this package registers, in the ``fsdp_rs`` namespace:
 
 - ``all_gather_copy_in(sharded, all_gather_output!, rank)``
 - ``all_gather_copy_out(all_gather_output, out![], row_offsets, unsharded_offsets,
-  padded_numel, tile_param, tile_start, tile_len)``
+  padded_numel, tile_param, tile_start, tile_len, chunk_numel?=None)``
 - ``reduce_scatter_copy_in(grads?[], reduce_scatter_input!, row_offsets,
-  padded_numel, tile_param, tile_start, tile_len, divide_factor=1.0)``
+  padded_numel, tile_param, tile_start, tile_len, divide_factor=1.0,
+  chunk_numel?=None)``
 - ``reduce_scatter_copy_in_flat(grad_buffer, reduce_scatter_input!, row_offsets,
   unsharded_offsets, padded_numel, tile_param, tile_start, tile_len,
   divide_factor=1.0)``

@@ -18,12 +18,12 @@ SCHEMAS = {
     "all_gather_copy_out": (
         "(Tensor all_gather_output, Tensor(a!)[] out, Tensor row_offsets, "
         "Tensor unsharded_offsets, Tensor padded_numel, Tensor tile_param, "
-        "Tensor tile_start, Tensor tile_len) -> ()"
+        "Tensor tile_start, Tensor tile_len, Tensor? chunk_numel=None) -> ()"
     ),
     "reduce_scatter_copy_in": (
         "(Tensor?[] grads, Tensor(a!) reduce_scatter_input, Tensor row_offsets, "
         "Tensor padded_numel, Tensor tile_param, Tensor tile_start, Tensor tile_len, "
-        "float divide_factor=1.0) -> ()"
+        "float divide_factor=1.0, Tensor? chunk_numel=None) -> ()"
     ),
     "reduce_scatter_copy_in_flat": (
         "(Tensor grad_buffer, Tensor(a!) reduce_scatter_input, Tensor row_offsets, "

@@ -15,11 +15,12 @@ the gradient buffers and the flat optimizer are the plain group's. Only the
 two copies between a row and the parameter's own layout differ: the copy-out
 writes each parameter's all-gathered ``(W, pre, L)`` into its unsharded
 ``(pre, W, L)``, and the reduce-scatter copy-in reads its gradient the other
-way round, one strided copy per parameter that reads and writes each element
-once (FSDP2 all-gathers into a temporary and chunk-concatenates it: one read
-and write more). The pre-placed gradient buffer is not used for such a group:
-its layout would be the permuted one. After forward, a group with
-``reshard_after_forward=int`` reshards fully.
+way round: the group's usual copy ops, given the table of each parameter's
+``L`` ([Note: Chunked copies] in the copy-out kernel), one launch per group
+that reads and writes each element once (FSDP2 all-gathers into a temporary
+and chunk-concatenates it: one read and write more). The pre-placed gradient
+buffer is not used for such a group: its layout would be the permuted one.
+After forward, a group with ``reshard_after_forward=int`` reshards fully.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 
-__all__ = ["ShardDimGroup", "check_shard_dim", "copy_in_on_dims", "copy_out_on_dims"]
+__all__ = ["ShardDimGroup", "check_shard_dim"]
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -70,6 +71,7 @@ class ShardDimGroup(FSDPParamGroup):
     def __init__(self, *args, dims: list[int], **kwargs) -> None:
         self.dims = dims
         self._dim_specs: dict = {}  # (param, dtype) -> DTensorSpec
+        self._chunk_tables: dict = {}  # params (None: all) -> chunk_numel table
         super().__init__(*args, **kwargs)
 
     def _sharded_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
@@ -131,48 +133,28 @@ class ShardDimGroup(FSDPParamGroup):
     def _unsharded_shapes(self) -> tuple[list, list]:
         return self.full_shapes, list(map(_contiguous, self.full_shapes))
 
+    def _chunks(self, index: list[int] | None) -> torch.Tensor:
+        """The ``chunk_numel`` table ([Note: Chunked copies] in the copy-out
+        kernel) of the params at ``index`` (None: all), on the group's device;
+        made once per distinct set."""
+        key = None if index is None else tuple(index)
+        table = self._chunk_tables.get(key)
+        if table is None:
+            runs = [length for _, length in self._pre_len]
+            if index is not None:
+                runs = [runs[k] for k in index]
+            table = torch.tensor(runs, dtype=torch.int64).to(self.device)
+            self._chunk_tables[key] = table
+        return table
+
     def _copy_out(self, ag: torch.Tensor) -> None:
-        starts = self.plan.unsharded_offsets.tolist()
-        copy_out_on_dims(ag, self.unsharded, self._pre_len, self.layout.row_offsets, starts)
+        args = self.tables.copy_out_args()
+        self.ops.all_gather_copy_out(ag, [self.unsharded], *args, self._chunks(None))
 
     def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
-        pre_len = [self._pre_len[k] for k in self._grad_index]
-        copy_in_on_dims(grads, rs_in, pre_len, self.grad_layout.row_offsets, divide)
-
-
-def copy_out_on_dims(
-    ag: torch.Tensor,
-    unsharded: torch.Tensor,
-    pre_len: list[tuple[int, int]],
-    rows: list[int],
-    starts: list[int],
-) -> None:
-    """All-gather output ``ag`` (``[W, row]``) into the unsharded buffer: each
-    parameter's ``(W, pre, L)`` block at ``rows[i]`` to its ``(pre, W, L)`` at
-    ``starts[i]``, one strided copy each ([Note: Sharding on another dim])."""
-    world = ag.size(0)
-    for (pre, length), row, start in zip(pre_len, rows, starts, strict=True):
-        strides = (world * length, length, 1)
-        dst = unsharded.as_strided((pre, world, length), strides, start)
-        dst.copy_(ag[:, row : row + pre * length].view(world, pre, length).transpose(0, 1))
-
-
-def copy_in_on_dims(
-    grads: list,
-    rs_in: torch.Tensor,
-    pre_len: list[tuple[int, int]],
-    rows: list[int],
-    divide: float,
-) -> None:
-    """Unsharded gradients (None: zeros) into the reduce-scatter input
-    (``[W, row]``, the reduce dtype): each ``(pre, W, L)`` to ``(W, pre, L)`` at
-    ``rows[k]``, cast on the way; then the pre-division, as FSDP2's ``div_``."""
-    world = rs_in.size(0)
-    rs_in.zero_()  # missing gradients and alignment gaps
-    for g, (pre, length), row in zip(grads, pre_len, rows, strict=True):
-        if g is None:
-            continue
-        dst = rs_in[:, row : row + pre * length].view(world, pre, length)
-        dst.copy_(g.reshape(pre, world, length).transpose(0, 1))
-    if divide != 1.0:
-        rs_in.div_(divide)
+        # each gradient viewed as its planned (W, numel / W)
+        world = self.info.shard_size
+        grads = [None if g is None else g.reshape(world, -1) for g in grads]
+        index = None if self.grad_layout is self.layout else self._grad_index
+        args = self.grad_layout.tables.reduce_scatter_args()
+        self.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide, self._chunks(index))
