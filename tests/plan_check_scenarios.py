@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
@@ -211,6 +212,26 @@ def wrapped_after_forward(rank: int, mesh) -> None:
     step(model)
 
 
+class Experts(nn.Module):
+    """Stacked expert weights ``(4, 8, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eij->bj", x, self.w)
+
+
+def shard_dim(rank: int, mesh) -> None:
+    """Rank 0 shards the experts on dim 1, rank 1 on dim 2: the same planned
+    (W, numel / W) rows, a different parameter in them."""
+    model = Experts()
+    fsdp_rs.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1 + rank % 2))
+    step(model)
+
+
 def off_switch(rank: int, mesh) -> dict:
     """FSDP_RS_CHECK_PLANS=0: a requires_grad mismatch (which issues the same
     collectives in forward) goes through; turned on again, it is caught."""
@@ -248,6 +269,7 @@ SCENARIOS: dict[str, Callable[[int, Any], Any]] = {
         wrapped_on_one_rank,
         paramless_on_one_rank,
         wrapped_after_forward,
+        shard_dim,
         off_switch,
     )
 }

@@ -31,6 +31,7 @@ TIMEOUT_S = 300  # start-up of the ranks dominates; a hang must not stall CI
 
 W2 = [
     "matching@flat",
+    "shard_dim@flat",
     "width@flat",
     "order@flat",
     "dtype@flat",
@@ -221,6 +222,18 @@ def test_module_wrapped_after_first_forward(w2):
         "the root fully_shard module, parameter 'weight'",
         "rank 0: shape (2, 4)",
         "rank 1: shape (3, 4)",
+    )
+
+
+def test_shard_dim(w2):
+    """Parameters sharded on another dim are planned as (W, numel / W) rows,
+    the same whatever the dim: the check compares the dims and full shapes."""
+    _raised(
+        w2,
+        "shard_dim@flat",
+        "shard_placement_fn",
+        "rank 0: w: Shard(1) of (4, 8, 8)",
+        "rank 1: w: Shard(2) of (4, 8, 8)",
     )
 
 

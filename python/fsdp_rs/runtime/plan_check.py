@@ -166,13 +166,23 @@ def _settings(state) -> list[tuple[str, str]]:
     groups = groups_of(state)
     if not groups:
         return []
-    return [
+    settings = [
         ("mesh", " | ".join(_mesh_text(g.info) for g in groups)),
         ("reshard_after_forward", repr(groups[0].reshard_after_forward)),
         ("mp_policy", _mp_text(state)),
         ("dtypes", " | ".join(map(_dtypes_text, groups))),
         ("offload_policy", _offload_text(groups[0])),
     ]
+    on_dims = [g for g in groups if g.dims is not None]
+    if on_dims:  # planned as (W, numel / W): the plan alone misses dim and shape
+        settings.append(("shard_placement_fn", " | ".join(map(_dims_text, on_dims))))
+    return settings
+
+
+def _dims_text(group) -> str:
+    """[Note: Sharding on another dim] each parameter's shard dim and full shape."""
+    pairs = zip(group.managed.fqns, group.dims, group.full_shapes, strict=True)
+    return ", ".join(f"{fqn}: Shard({d}) of {tuple(shape)}" for fqn, d, shape in pairs)
 
 
 class _Digests:
