@@ -21,7 +21,7 @@ from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
-from fsdp_rs.runtime.mesh import mesh_info
+from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -112,7 +112,7 @@ def fully_shard(
     info = mesh_info(mesh, dp_mesh_dims)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
-    dims = _shard_dims(managed, shard_placement_fn, info.shard_size)
+    dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
     if managed.params:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -124,19 +124,24 @@ def fully_shard(
             if isinstance(p, DTensor) and has_extension(p._local_tensor):
                 refuse_on_dtensor(fqn)
         other_dim = [d != 0 for d in dims]
-        keys = list(zip(_group_keys(managed, mp_policy), extension, other_dim, strict=True))
+        meshes = list(map(_mesh_key, infos))  # [Note: Per-parameter meshes]
+        keys = list(zip(_group_keys(managed, mp_policy), extension, other_dim, meshes, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
         pin = offload and offload_policy.pin_memory
         groups = []
         for part, key in zip(parts, dict.fromkeys(keys), strict=True):
-            args = (part, modules, info, _policy_for(mp_policy, key[0]), offload, pin)
+            part_info = infos[keys.index(key)]
+            size = post_forward
+            if part_info is not info:
+                size = _post_forward_size(reshard_after_forward, part_info.shard_size)
+            args = (part, modules, part_info, _policy_for(mp_policy, key[0]), offload, pin)
             if key[1]:
-                groups.append(ExtensionParamGroup(*args, post_forward))
+                groups.append(ExtensionParamGroup(*args, size))
             elif key[2]:
                 part_dims = [d for d, k in zip(dims, keys, strict=True) if k == key]
                 groups.append(ShardDimGroup(*args, None, dims=part_dims))
             else:
-                groups.append(FSDPParamGroup(*args, post_forward))
+                groups.append(FSDPParamGroup(*args, size))
         group = groups[0] if len(groups) == 1 else GroupBundle(groups)
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # The originals, which other modules may still register (a shared
@@ -159,22 +164,32 @@ def fully_shard(
     return module
 
 
-def _shard_dims(managed, shard_placement_fn, world: int) -> list[int]:
+def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:
     """Per parameter the dim FSDP shards (``shard_placement_fn``: None or
-    ``Shard(d)``, negative ``d`` counted from the end), checked as FSDP2 checks
-    it."""
+    ``Shard(d)``, negative ``d`` counted from the end) and the mesh it shards
+    over (``info``, or a ``ShardPlacementResult``'s: [Note: Per-parameter
+    meshes]), checked as FSDP2 checks them."""
+    count = len(managed.params)
     if shard_placement_fn is None:
-        return [0] * len(managed.params)
-    dims = []
+        return [0] * count, [info] * count
+    dims, infos = [], []
+    converted: dict[int, MeshInfo] = {}  # FSDP2 mesh info object -> fsdp-rs's
+    by_groups: dict[tuple, Any] = {}  # process groups -> the FSDP2 object that named them
     for fqn, p in zip(managed.fqns, managed.params, strict=True):
         placement = shard_placement_fn(p)
-        mesh_info = getattr(placement, "mesh_info", None)  # torch >= 2.13's ShardPlacementResult
-        if mesh_info is not None:
-            raise NotImplementedError(
-                f"fully_shard: shard_placement_fn returned a ShardPlacementResult for {fqn}; "
-                "fsdp-rs shards every parameter of a call over the mesh passed: return "
-                "None or Shard(d)"
-            )
+        own = getattr(placement, "mesh_info", None)  # torch >= 2.13's ShardPlacementResult
+        param_info = info
+        if own is not None:
+            param_info = converted.get(id(own))
+            if param_info is None:
+                param_info = converted[id(own)] = from_torch_mesh_info(own)
+            first = by_groups.setdefault(_mesh_key(param_info), own)
+            if first is not own:
+                raise ValueError(
+                    "Params sharing the same process group must use the same FSDPMeshInfo "
+                    f"object, but got different objects: {first} vs {own} (parameter {fqn})"
+                )
+        infos.append(param_info)
         placement = getattr(placement, "placement", placement)
         if placement is None:
             dims.append(0)
@@ -182,8 +197,14 @@ def _shard_dims(managed, shard_placement_fn, world: int) -> list[int]:
         if not isinstance(placement, Shard):
             raise ValueError(f"Invalid shard_placement_fn result: {placement} (parameter {fqn})")
         local = p._local_tensor if isinstance(p, DTensor) else p
-        dims.append(check_shard_dim(fqn, local.shape, placement.dim, world))
-    return dims
+        dims.append(check_shard_dim(fqn, local.shape, placement.dim, param_info.shard_size))
+    return dims, infos
+
+
+def _mesh_key(info: MeshInfo) -> tuple[int, int]:
+    """[Note: Per-parameter meshes] parameters over the same process groups
+    share a group."""
+    return id(info.shard_group), id(info.replicate_group)
 
 
 def _group_keys(managed, mp_policy: MixedPrecisionPolicy) -> list:

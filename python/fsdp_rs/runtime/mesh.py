@@ -14,7 +14,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_rs.runtime.errors import FSDPUsageError
 
-__all__ = ["MeshInfo", "default_device_type", "default_mesh", "mesh_info", "per_mesh"]
+__all__ = [
+    "MeshInfo",
+    "default_device_type",
+    "default_mesh",
+    "from_torch_mesh_info",
+    "mesh_info",
+    "per_mesh",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,6 +135,44 @@ def mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: Any = None) -> MeshInfo:
     if groups is None:
         groups = kept["groups"] = _mesh_groups(mesh)
     return MeshInfo(mesh, *groups)
+
+
+def from_torch_mesh_info(own: Any) -> MeshInfo:
+    """FSDP2's mesh info (``FSDPMeshInfo`` / ``HSDPMeshInfo``, what a
+    ``ShardPlacementResult`` from ``shard_placement_fn`` carries) as fsdp-rs's.
+
+    [Note: Per-parameter meshes]
+    ``shard_placement_fn`` may send a parameter to another mesh than the one
+    passed (torchtitan shards MoE experts over their expert-data-parallel mesh
+    in the same call as the dense weights). As FSDP2, fsdp-rs then makes one
+    group per set of process groups (shard, replicate), each with its own mesh,
+    reduction and ``reshard_after_forward=int`` size; the state drives them as
+    one ([Note: One group per dtype]). The root's plan check still runs over
+    the mesh passed to the root."""
+    shard_group = getattr(own, "shard_process_group", None)
+    if shard_group is None or not isinstance(getattr(own, "mesh", None), DeviceMesh):
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned a mesh_info of type "
+            f"{type(own).__name__}; fsdp-rs takes FSDP2's FSDPMeshInfo or HSDPMeshInfo (a "
+            "shard dim) per parameter"
+        )
+    mesh = own.mesh
+    replicate_group = getattr(own, "replicate_process_group", None)
+    replicate_size = 1 if replicate_group is None else replicate_group.size()
+    shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[own.shard_mesh_dim]]
+    spmd_mesh = own.spmd_mesh if getattr(own, "is_spmd_mesh", False) else None
+    dims = own.dp_mesh_dims if spmd_mesh is not None else None
+    return MeshInfo(
+        mesh,
+        shard_group,
+        shard_group.size(),
+        shard_group.rank(),
+        replicate_group,
+        replicate_size,
+        spmd_mesh,
+        dims,
+        shard_mesh,
+    )
 
 
 def _mesh_groups(mesh: DeviceMesh) -> tuple:
