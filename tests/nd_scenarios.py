@@ -404,7 +404,7 @@ def spmd_dp_mesh_dims(world_size: int, rank: int, tp: int = 2, steps: int = 2) -
     dp_mesh_dims=DataParallelMeshDims(shard="dp"))`` on parameters that are
     DTensors on the full mesh; trained as ``tp_mlp``."""
     if not HAS_DP_MESH_DIMS:
-        return {"skipped": True}
+        return {"skipped": "this torch has no DataParallelMeshDims"}
     dims = torch_fsdp.DataParallelMeshDims(shard="dp")
     mesh = _nd_mesh(world_size, tp)
     out = {}
@@ -451,7 +451,7 @@ def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2) -> dict:
     """``dp_mesh_dims`` naming two shard dims (torchtitan's FSDP over dp_shard x
     cp): they act as one flattened DP dim, in the sharded parameters' mesh too."""
     if not HAS_DP_MESH_DIMS:
-        return {"skipped": True}
+        return {"skipped": "this torch has no DataParallelMeshDims"}
     dims = torch_fsdp.DataParallelMeshDims(shard=("dp_shard", "cp"))
     mesh = _several_mesh(world_size)
     out = {}

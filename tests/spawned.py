@@ -127,7 +127,8 @@ def results_fixture(scenarios: dict, run: Callable, world_sizes: tuple = (2, 4))
 
 def each_rank(scenarios: dict, results: tuple, name: str):
     """Each rank's result of scenario ``name`` as ``(rank, result)``; skips the
-    test where the world is too small, fails it where a rank did not run it or
+    test where the world is too small or the scenario returned ``{"skipped":
+    why}`` (a feature this torch lacks), fails it where a rank did not run it or
     raised."""
     import pytest
 
@@ -138,4 +139,6 @@ def each_rank(scenarios: dict, results: tuple, name: str):
         result = per_rank[rank].get(name)
         assert result is not None, f"rank {rank}: scenario {name} did not run ({failure})"
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        if isinstance(result, dict) and result.get("skipped"):
+            pytest.skip(str(result["skipped"]))
         yield rank, result

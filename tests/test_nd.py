@@ -26,13 +26,6 @@ from spawned import each_rank, results_fixture
 results = results_fixture(SCENARIOS, run)
 
 
-def _each_rank(results, name: str):
-    for rank, result in each_rank(SCENARIOS, results, name):
-        if result.get("skipped"):
-            pytest.skip("this torch has no DataParallelMeshDims")
-        yield rank, result
-
-
 def _assert_same(rank: int, rs, ref, path: str = "") -> None:
     """``rs == ref``, naming the first key path where they differ."""
     if isinstance(ref, dict):
@@ -66,20 +59,20 @@ def _assert_observed(rank: int, r: dict) -> None:
 def test_tp_training_matches_fsdp2(results, name):
     """Sharded placements, shapes, strides and values, then losses, gradient
     norms, sharded gradients and trained values equal FSDP2's bit for bit."""
-    for rank, r in _each_rank(results, name):
+    for rank, r in each_rank(SCENARIOS, results, name):
         _assert_same(rank, r["rs"], r["torch"])
         _assert_observed(rank, r["rs"])
 
 
 def test_meta_init_stays_on_meta(results):
-    for rank, r in _each_rank(results, "tp_meta_init"):
+    for rank, r in each_rank(SCENARIOS, results, "tp_meta_init"):
         assert r["rs"]["meta"] and r["torch"]["meta"], rank
 
 
 def test_strided_placements(results):
     """Where TP and FSDP both shard dim 0, the placements are FSDP2's
     (``_StridedShard``) and ``full_tensor()`` is the original weight."""
-    for rank, r in _each_rank(results, "tp_strided"):
+    for rank, r in each_rank(SCENARIOS, results, "tp_strided"):
         _assert_same(rank, r["rs"], r["torch"])
         for name, p in r["rs"]["params"].items():
             assert p["is_original"], f"rank {rank}: {name}"
@@ -89,7 +82,7 @@ def test_strided_placements(results):
 
 def test_dcp_across_libraries(results):
     """A DCP checkpoint of either library loads into the other's model."""
-    for rank, r in _each_rank(results, "dcp_2d"):
+    for rank, r in each_rank(SCENARIOS, results, "dcp_2d"):
         assert r == {
             "rs_to_torch_equal": True,
             "rs_to_torch_trains_equal": True,
@@ -102,7 +95,7 @@ def test_dcp_across_libraries(results):
     "name", ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp", "spmd_several_shard_dims"]
 )
 def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
-    for rank, r in _each_rank(results, name):
+    for rank, r in each_rank(SCENARIOS, results, name):
         _assert_same(rank, r["rs"], r["torch"])
         _assert_observed(rank, r["rs"])
 
@@ -111,7 +104,7 @@ def test_clip_grad_norm_over_mixed_meshes(results):
     """fsdp-rs's ``clip_grad_norm_`` over gradients on two meshes: the norm of
     the full gradients (to fp32 rounding of a differently ordered sum) and
     every gradient scaled by the clip coefficient."""
-    for rank, r in _each_rank(results, "clip_mixed_meshes"):
+    for rank, r in each_rank(SCENARIOS, results, "clip_mixed_meshes"):
         assert set(r["meshes"]) == {"('dp',)", "('dp', 'tp')"}, rank
         assert r["total"] == pytest.approx(r["expected"], rel=1e-5), rank
         assert r["total"] > 0.5  # clipping happened
@@ -123,7 +116,7 @@ def test_errors_match_fsdp2(results):
     parameter on an unrelated mesh and for misuse of ``dp_mesh_dims``. (On an
     unrelated mesh FSDP2 fails inside ``DeviceMesh._concatenate`` with a
     TypeError or a RuntimeError; fsdp-rs raises a ValueError that is both.)"""
-    for rank, r in _each_rank(results, "errors"):
+    for rank, r in each_rank(SCENARIOS, results, "errors"):
         assert all(r["torch"].values()), f"FSDP2 raised nothing in some case: {r['torch']}"
         for case, classes in r["torch"].items():
             raised = r["rs"][case]

@@ -20,16 +20,9 @@ from spawned import each_rank, results_fixture
 results = results_fixture(SCENARIOS, run)
 
 
-def _each_rank(results, name: str):
-    for rank, result in each_rank(SCENARIOS, results, name):
-        if result.get("skipped"):
-            pytest.skip(result["skipped"])
-        yield rank, result
-
-
 @pytest.mark.parametrize("name", ["experts", "experts_dim1", "hsdp_head"])
 def test_matches_fsdp2(results, name):
-    for rank, r in _each_rank(results, name):
+    for rank, r in each_rank(SCENARIOS, results, name):
         rs, ref = r["rs"], r["torch"]
         for key in ("sharded", "losses", "grads", "params"):
             assert rs[key] == ref[key], f"rank {rank}: {key} differs from torch FSDP2"
@@ -39,5 +32,5 @@ def test_matches_fsdp2(results, name):
 
 
 def test_two_infos_one_process_group(results):
-    for rank, r in _each_rank(results, "two_infos_one_mesh"):
+    for rank, r in each_rank(SCENARIOS, results, "two_infos_one_mesh"):
         assert r["torch"] == "ValueError" and r["rs"] == "ValueError", (rank, r)

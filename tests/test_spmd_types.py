@@ -20,13 +20,6 @@ from spmd_types_scenarios import SCENARIOS, run
 results = results_fixture(SCENARIOS, run)
 
 
-def _each_rank(results, name: str):
-    for rank, result in each_rank(SCENARIOS, results, name):
-        if result.get("skipped"):
-            pytest.skip(result["skipped"])
-        yield rank, result
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -42,7 +35,7 @@ def _each_rank(results, name: str):
     ],
 )
 def test_training_matches_fsdp2(results, name):
-    for rank, r in _each_rank(results, name):
+    for rank, r in each_rank(SCENARIOS, results, name):
         rs, ref = r["rs"], r["torch"]
         for key in ("sharded", "losses", "unsharded_types", "grads", "params"):
             assert rs[key] == ref[key], f"rank {rank}: {key} differs from torch FSDP2"
@@ -63,13 +56,13 @@ def test_storage_placements(results):
         "w2.bias": "(Shard(dim=0), Replicate())",
         "scale": "(Shard(dim=0), Replicate())",
     }
-    for rank, r in _each_rank(results, "dp_tp"):
+    for rank, r in each_rank(SCENARIOS, results, "dp_tp"):
         for param, placements in expected.items():
             assert r["rs"]["sharded"][f"blocks.0.{param}"]["placements"] == placements, rank
 
 
 def test_errors_match_fsdp2(results):
-    for rank, r in _each_rank(results, "errors"):
+    for rank, r in each_rank(SCENARIOS, results, "errors"):
         for case, ref in r["torch"].items():
             got = r["rs"][case]
             assert ref is not None and got is not None, f"rank {rank}, {case}: {got} / {ref}"
@@ -82,7 +75,7 @@ def test_training_matches_unsharded_reference(results, name):
     fp32 rounding, one rank training the unsharded model on all DP ranks'
     batches. With TP this checks the ``Partial`` gradient of ``scale`` (typed
     R on tp) is reduced over tp exactly once."""
-    for rank, r in _each_rank(results, name):
+    for rank, r in each_rank(SCENARIOS, results, name):
         ref = r["reference"]
         assert r["rs"]["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
         for param, values in ref["params"].items():
