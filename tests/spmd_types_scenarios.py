@@ -76,7 +76,7 @@ class Block(nn.Module):
     """``x + all_reduce(w2(relu(w1(convert(x) * scale))))`` with ``w1`` split on
     its output dim and ``w2`` on its input dim over ``tp``."""
 
-    def __init__(self, full: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, full: nn.Module, mesh: DeviceMesh, frozen_f64: bool = False) -> None:
         super().__init__()
         has_tp = "tp" in mesh.mesh_dim_names
         tp, rank = (mesh["tp"].size(), mesh["tp"].get_local_rank()) if has_tp else (1, 0)
@@ -84,6 +84,17 @@ class Block(nn.Module):
         self.w1 = nn.Linear(DIM, HIDDEN // tp)
         self.w2 = nn.Linear(HIDDEN // tp, DIM)
         self.scale = nn.Parameter(torch.empty(DIM))
+        params = [
+            (self.w1.weight, spmd.S(0)),
+            (self.w1.bias, spmd.S(0)),
+            (self.w2.weight, spmd.S(1)),
+            (self.w2.bias, spmd.I),
+            (self.scale, spmd.R),
+        ]
+        self.offset = None
+        if frozen_f64:  # a second dtype: the state drives a bundle of two groups
+            self.offset = nn.Parameter(torch.zeros(DIM, dtype=torch.float64), requires_grad=False)
+            params.append((self.offset, spmd.I))
         with torch.no_grad():
             self.w1.weight.copy_(full.w1.weight.chunk(tp, 0)[rank])
             self.w1.bias.copy_(full.w1.bias.chunk(tp, 0)[rank])
@@ -91,13 +102,7 @@ class Block(nn.Module):
             self.w2.bias.copy_(full.w2.bias)
             self.scale.copy_(full.scale)
         with spmd.set_current_mesh(mesh):
-            for param, kind in (
-                (self.w1.weight, spmd.S(0)),
-                (self.w1.bias, spmd.S(0)),
-                (self.w2.weight, spmd.S(1)),
-                (self.w2.bias, spmd.I),
-                (self.scale, spmd.R),
-            ):
+            for param, kind in params:
                 types = dict.fromkeys(_dp_names(mesh), spmd.R)
                 spmd.assert_type(param, {**types, "tp": kind} if has_tp else types)
 
@@ -108,7 +113,8 @@ class Block(nn.Module):
         h = F.linear(torch.relu(self.w1(h * self.scale)), self.w2.weight)
         if self.tp is not None:
             h = spmd.all_reduce(h, self.tp, src=spmd.P, dst=spmd.I, backward_options=_FP32)
-        return x + h + self.w2.bias
+        out = x + h + self.w2.bias
+        return out if self.offset is None else out + self.offset.float()  # adds zeros
 
 
 class _Full(nn.Module):
@@ -152,9 +158,9 @@ def _fulls(blocks: int = 2) -> list[_Full]:
 
 
 class Net(nn.Module):
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, frozen_f64: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(full, mesh) for full in _fulls())
+        self.blocks = nn.ModuleList(Block(full, mesh, frozen_f64) for full in _fulls())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -178,6 +184,8 @@ def _values(t: torch.Tensor) -> list[float]:
 def _observe(model: nn.Module, grads: bool = False) -> dict:
     out = {}
     for name, p in model.named_parameters():
+        if grads and not p.requires_grad:
+            continue
         t = p.grad if grads else p
         out[name] = None if t is None else {
             "type": type(t).__name__,
@@ -197,6 +205,7 @@ def training(
     cp: bool = False,
     steps: int = 3,
     typecheck: bool = False,
+    frozen_f64: bool = False,
     **kwargs,
 ) -> dict:
     """Sharded parameters, then ``steps`` AdamW steps: losses, the unsharded
@@ -217,12 +226,16 @@ def training(
     dp_groups = [mesh.get_group(n) for n in _dp_names(mesh)]
     out = {}
     for lib in LIBS:
-        model = _shard(lib, Net(mesh), mesh, **kwargs)
+        model = _shard(lib, Net(mesh, frozen_f64), mesh, **kwargs)
         sharded = _observe(model)
         seen: list[str] = []
-        model.blocks[0].w1.register_forward_pre_hook(
-            lambda m, a, seen=seen: seen.append(type(m.weight).__name__)
-        )
+        typed: list[dict] = []  # each parameter's types as the block computes
+
+        def observe(module, args, seen=seen, typed=typed, block=model.blocks[0]):
+            seen.append(type(module.weight).__name__)
+            typed.append({n: _types(p) for n, p in block.named_parameters()})
+
+        model.blocks[0].w1.register_forward_pre_hook(observe)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         losses, grads = [], {}
         for step in range(steps):
@@ -248,11 +261,17 @@ def training(
             "sharded": sharded,
             "losses": losses,
             "unsharded_types": seen,
+            "compute_types": typed,
             "grads": grads,
             "params": _observe(model),
         }
     out["reference"] = _reference(dp_size, steps)
     return out
+
+
+def _types(t: torch.Tensor) -> str:
+    """A tensor's spmd_types local type, in a form JSON keeps."""
+    return str(sorted((str(k), str(v)) for k, v in spmd.get_local_type(t).items()))
 
 
 def _error(fn: Callable) -> str | None:
@@ -301,6 +320,11 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "dp_tp_bf16": (training, {"tp": 2, "bf16": True, "min_world": 4}),
     "dp_typechecked": (training, {"typecheck": True}),
     "dp_tp_typechecked": (training, {"tp": 2, "typecheck": True, "min_world": 4}),
+    "dp_typechecked_two_dtypes": (training, {"typecheck": True, "frozen_f64": True}),
+    "dp_tp_typechecked_two_dtypes": (
+        training,
+        {"tp": 2, "typecheck": True, "frozen_f64": True, "min_world": 4},
+    ),
     "dp_cp": (training, {"cp": True, "min_world": 4}),
     "dp_cp_typechecked": (training, {"cp": True, "typecheck": True, "min_world": 4}),
     "errors": (errors, {}),

@@ -32,12 +32,14 @@ results = results_fixture(SCENARIOS, run)
         "dp_tp_typechecked",
         "dp_cp",
         "dp_cp_typechecked",
+        "dp_typechecked_two_dtypes",
+        "dp_tp_typechecked_two_dtypes",
     ],
 )
 def test_training_matches_fsdp2(results, name):
     for rank, r in each_rank(SCENARIOS, results, name):
         rs, ref = r["rs"], r["torch"]
-        for key in ("sharded", "losses", "unsharded_types", "grads", "params"):
+        for key in ("sharded", "losses", "unsharded_types", "compute_types", "grads", "params"):
             assert rs[key] == ref[key], f"rank {rank}: {key} differs from torch FSDP2"
         # not vacuous: DTensors on the full mesh, a gradient for every parameter
         assert all(p["type"] == "DTensor" for p in rs["sharded"].values()), rank
@@ -81,3 +83,13 @@ def test_training_matches_unsharded_reference(results, name):
         for param, values in ref["params"].items():
             got = r["rs"]["params"][param]["full"]
             assert got == pytest.approx(values, rel=1e-4, abs=1e-5), f"rank {rank}: {param}"
+
+
+@pytest.mark.parametrize("name", ["dp_typechecked_two_dtypes", "dp_tp_typechecked_two_dtypes"])
+def test_types_restored_in_every_group(results, name):
+    """Under type checking, the module computes with every parameter typed as
+    annotated, also those of a second group (a frozen float64 parameter: one
+    group per dtype)."""
+    for rank, r in each_rank(SCENARIOS, results, name):
+        for step in r["rs"]["compute_types"]:
+            assert all(types != "[]" for types in step.values()), (rank, step)

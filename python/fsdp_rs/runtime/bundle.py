@@ -69,6 +69,15 @@ class GroupBundle:
     discard_unshard_state = _on_each("discard_unshard_state")
     discard_gradient_state = _on_each("discard_gradient_state")
     check_extensions = _on_each("check_extensions")
+    restore_types = _on_each("restore_types")
+
+    @property
+    def annotations(self) -> list | None:
+        """Whether any group has ``spmd_types`` parameters (a list), else None."""
+        found = [
+            a for group in self.groups if group.annotations is not None for a in group.annotations
+        ]
+        return found or None
 
     def post_backward(self) -> None:
         for group in self.groups:

@@ -479,6 +479,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     def restore_types(self, spmd) -> None:
         """Give the unsharded parameters their ``spmd_types`` annotations back for
         the forward ([Note: spmd_types parameters])."""
+        if self.annotations is None:
+            return
         for param, annotation in zip(self.unsharded_params, self.annotations, strict=True):
             if annotation is not None:
                 annotation.restore(spmd, param)

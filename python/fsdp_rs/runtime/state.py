@@ -237,7 +237,7 @@ class FSDPState:
         if starts:
             with context.untyped():
                 self._unshard_for_forward()
-            if context.spmd is not None and group.annotations is not None:
+            if context.spmd is not None:
                 group.restore_types(context.spmd)
         self._call_hooked = False
         if starts and torch.is_grad_enabled():  # [Note: Groups over several modules]
