@@ -234,8 +234,9 @@ def _copy_out_kernel(
             param_base = tl.load(dst_ptrs + p).to(tl.pointer_type(DTYPE))
             limit = tl.load(dst_numel + p)
         else:
-            param_base = dst + tl.load(unsharded_offsets + p) * WORDS
-            limit = out_numel - tl.load(unsharded_offsets + p) * WORDS
+            param_offset = tl.load(unsharded_offsets + p) * WORDS
+            param_base = dst + param_offset
+            limit = out_numel - param_offset
         for i in range(0, loop_bound(count), BLOCK):
             offs = i + tl.arange(0, BLOCK)
             j = start + offs

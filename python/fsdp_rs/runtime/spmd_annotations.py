@@ -178,6 +178,6 @@ def annotated_params(
     for i, (fqn, p, local) in enumerate(zip(fqns, params, locals_, strict=True)):
         if local:
             placements, annotations[i] = _resolve(spmd, fqn, p, local, info)
-            local_tensor = DTensor.from_local(p.data, info.spmd_mesh, placements, run_check=False)
-            out[i] = nn.Parameter(local_tensor, requires_grad=p.requires_grad)
+            dtensor = DTensor.from_local(p.data, info.spmd_mesh, placements, run_check=False)
+            out[i] = nn.Parameter(dtensor, requires_grad=p.requires_grad)
     return out, annotations
