@@ -320,9 +320,9 @@ COPY_RECORD_TYPES = {
     "fsdp_rs_s": float,
     "torch_s": float,
     "copy_s": float,
-    "fsdp_rs_gbps": float,
-    "speedup": float,
-    "frac_of_copy": float,
+    "fsdp_rs_host_s": float,
+    "torch_host_s": float,
+    "aliases": bool,
     "outputs_equal": bool,
     "torch_impl": str,
     "torch_version": str,
@@ -362,10 +362,6 @@ def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
         )
         assert r["divide_factor"] == 1.0
         assert r["n_params"] == len(copy.make_case(r["case"], 0.002).shapes)
-        assert min(r["fsdp_rs_s"], r["torch_s"], r["copy_s"]) > 0
-        assert r["speedup"] == pytest.approx(r["torch_s"] / r["fsdp_rs_s"])
-        assert r["frac_of_copy"] == pytest.approx(r["copy_s"] / r["fsdp_rs_s"])
-        assert r["fsdp_rs_gbps"] == pytest.approx(r["bytes"] / r["fsdp_rs_s"] / 1e9)
         s, w = r["row_numel"], r["world_size"]
         expected_bytes = {
             "all_gather_copy_in": s * (4 + 2),
@@ -375,10 +371,24 @@ def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
             "post_reduce_accumulate": s * (4 + 4 + 4),
         }
         assert r["bytes"] == expected_bytes[r["op"]]
+        # fp32 gradients reduced in fp32 without a division: the runtime aliases
+        assert r["aliases"] is (r["op"] == "post_reduce"), (r["case"], r["op"])
+        assert min(r["torch_s"], r["copy_s"]) > 0
+        assert r["torch_host_s"] == r["torch_s"]  # on CPU the host time is the op's
+        assert r["fsdp_rs_host_s"] == r["fsdp_rs_s"]
+        if r["aliases"]:
+            assert r["fsdp_rs_s"] == 0.0
+            assert r["speedup"] is r["frac_of_copy"] is r["fsdp_rs_gbps"] is None
+            continue
+        assert r["fsdp_rs_s"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_s"] / r["fsdp_rs_s"])
+        assert r["frac_of_copy"] == pytest.approx(r["copy_s"] / r["fsdp_rs_s"])
+        assert r["fsdp_rs_gbps"] == pytest.approx(r["bytes"] / r["fsdp_rs_s"] / 1e9)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     stdout = capsys.readouterr().out
-    for text in ("frac of copy", "speedup", "scale 0.002", "param bfloat16", "CPU impls"):
+    texts = ("frac of copy", "speedup", "host us", "alias", "scale 0.002", "param bfloat16")
+    for text in (*texts, "CPU impls"):
         assert text in stdout
     assert stdout.count("reduce_scatter_copy_in") == 5
 

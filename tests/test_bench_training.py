@@ -111,7 +111,7 @@ OPTIM_FIELDS = (
 )
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach", "sgd"])
 def test_bench_optim(tmp_path: Path, optimizer: str) -> None:
     out = tmp_path / "optim.json"
     argv = ["optim", "--params", "60", "--block-params", "20", "--repeat", "2"]
@@ -190,3 +190,33 @@ def test_fake_process_group_scale(world_size: int, rank: int, n_params: int) -> 
     (d0 < W), the last rank, a world size that is not a power of two."""
     proc = _python(["-c", SCALE_SCRIPT, str(world_size), str(rank), str(n_params)])
     assert f"ok {n_params}" in proc.stdout
+
+
+FRESH_CACHES = """
+import torch
+from torch.distributed.tensor import DTensor, debug
+from fsdp_rs.bench.timing import fresh_dtensor_caches
+from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
+
+fake_process_group(2)
+model = BenchModel(4, 2)
+shard_model(model, "torch")
+params = [p.detach() for p in model.parameters()]
+torch._foreach_mul_(params, 1.0)  # cached now
+torch._foreach_mul_(params, 1.0)
+python_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+fresh_dtensor_caches()
+assert python_cache.cache_info().currsize == 0
+stats = getattr(debug, "_get_fast_path_sharding_prop_cache_stats", None)
+if stats is not None:
+    misses = stats()[1]
+    torch._foreach_mul_(params, 1.0)
+    assert stats()[1] == misses + 1, "the C++ cache still held the entry"
+print("emptied")
+"""
+
+
+def test_fresh_dtensor_caches_empties_the_sharding_caches() -> None:
+    """[Note: One process, two libraries]: after the call the next DTensor op
+    misses, so the model timed next fills the caches with its own specs."""
+    assert "emptied" in _python(["-c", FRESH_CACHES]).stdout

@@ -346,3 +346,28 @@ def test_cpu_index_cache_keeps_what_fits_and_refuses_the_rest(monkeypatch):
     args = other.copy_out_args()[:3]
     assert _cpu_index.reduce_scatter_buffer_index(*args, 2, plan.row_numel) is None
     assert index() is first  # a cached index stays served under a smaller budget
+
+
+def test_reduce_scatter_copy_in_triton_reads_strided_and_refuses_bad_gradients():
+    """The Triton path's gradient checks are C-level maps over the list ([Note:
+    Pointer tables]): a strided gradient is read through a contiguous copy, and
+    a gradient of another dtype or device is named by its index."""
+    shapes = [(6, 4), (5,), (3, 2)]
+    plan = make_plan(shapes, 2, 0, torch.float32, torch.float32, torch.float32)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    args = tables.reduce_scatter_args()
+    grads = [g.to(DEVICE) for g in make_params(shapes, torch.float32, seed=5)]
+    grads[0] = grads[0].t().contiguous().t()  # same values, column-major
+    assert not grads[0].is_contiguous()
+    ref = torch.empty(2, plan.row_numel, device=DEVICE)
+    tri = torch.full_like(ref, float("nan"))
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, ref, *args)
+    triton_reduce_scatter_copy_in(grads, tri, *args)
+    assert torch.equal(tri, ref)
+    wrong_dtype = [grads[0], grads[1].double(), grads[2]]
+    with pytest.raises(TypeError, match=r"gradient 1 has dtype torch\.float64"):
+        triton_reduce_scatter_copy_in(wrong_dtype, tri, *args)
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    wrong_device = [grads[0], None, grads[2].to(other)]
+    with pytest.raises(ValueError, match=f"gradient 2 is on {other}"):
+        triton_reduce_scatter_copy_in(wrong_device, tri, *args)

@@ -538,7 +538,11 @@ def _add_optim(subparsers) -> None:
     )
     p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, metavar="W")
     p.add_argument("--block-params", type=positive_int, default=DEFAULT_BLOCK_PARAMS)
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd (default: adamw)")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help=("adamw, adamw-foreach (torch's CUDA default, forced), adam or sgd (default: adamw)"),
+    )
     p.add_argument("--repeat", type=positive_int, default=DEFAULT_REPEAT)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")

@@ -11,6 +11,11 @@ For each parameter group in ``CASES`` and each op registered by ``fsdp_rs.ops``
 - ``copy_s``: one contiguous ``dst.copy_(src)`` of ``bytes / 2`` bytes, i.e.
   reading and writing as many bytes as the op moves: the device's measured copy
   bandwidth for that traffic (``frac_of_copy = copy_s / fsdp_rs_s``).
+- ``fsdp_rs_host_s`` / ``torch_host_s``: host seconds per call ([Note: Host
+  cost]);
+- ``aliases``: the runtime runs no op for this step (post-reduce that neither
+  casts nor divides: the gradients are views of the reduce output, as FSDP2's
+  are); fsdp-rs is then not timed and the table prints ``alias``.
 
 ``bytes`` is what the op must read plus write at least, with ``S = row_numel``:
 copy-in ``S`` elements in orig dtype read, ``S`` in param dtype written;
@@ -354,6 +359,10 @@ class OpBench:
     outputs_equal: Callable[[], bool]
     torch_impl: str
     divide_factor: float = 1.0
+    aliases: bool = False
+    """fsdp-rs's runtime runs no op here: the gradients alias the reduce output
+    (the reduce-scatter writes the sharded gradient buffer), so nothing is timed
+    for it; torch is timed making its views."""
 
 
 def _all_gather_copy_in(g: Group, fsdp2: Any | None) -> OpBench:
@@ -474,11 +483,12 @@ def _post_reduce(g: Group, accumulate: bool) -> OpBench:
         theirs = torch_grad if accumulate else last["out"]
         return _same(mine, _segments(theirs, g.packed_offsets, valid))
 
+    aliases = not accumulate and post == 1 and d.orig == d.reduce
     impl = "div_ + " if post != 1 else ""
     impl += "to(orig) + " if d.orig != d.reduce else ""
     impl += "as_strided per param" + (" + grad +=" if accumulate else "")
     nbytes = rows * (d.reduce.itemsize + d.orig.itemsize * (2 if accumulate else 1))
-    return OpBench(nbytes, run_fsdp_rs, run_torch, equal, impl, post)
+    return OpBench(nbytes, run_fsdp_rs, run_torch, equal, impl, post, aliases)
 
 
 def _pre_len(g: Group) -> list[tuple[int, int]]:
@@ -591,6 +601,36 @@ def _timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]]
     return lambda fn: time_call(fn, repeat, warmup=1, collect=False)[0]
 
 
+_NO_CALL = Timing((0.0,))
+
+
+_HostTimer = Callable[[Callable[[], object], Timing], Timing]
+
+
+def _host_timer(device: torch.device, repeat: int) -> _HostTimer:
+    """Host seconds per call.
+
+    [Note: Host cost]
+    On CUDA, the wall time of a call that is not waited for: what the op costs
+    the CPU (checks, tables, launches) while the GPU works. A per-parameter cost
+    there (one Python attribute read per tensor) shows up as host time growing
+    with ``n_params``. On CPU every op runs to completion in the call, so host
+    time is the op's time and the same timing serves both columns. Where the
+    runtime aliases the reduce output (``aliases``) fsdp-rs makes no call and
+    both its columns are 0.
+    """
+    if device.type != "cuda":
+        return lambda fn, timed: timed
+
+    def host(fn: Callable[[], object], timed: Timing) -> Timing:
+        torch.cuda.synchronize()
+        timing = time_call(fn, repeat, warmup=1, collect=False)[0]
+        torch.cuda.synchronize()
+        return timing
+
+    return host
+
+
 def _plain_copy(nbytes: int, device: torch.device) -> Callable[[], None]:
     """One contiguous copy reading and writing ``nbytes / 2`` bytes each."""
     src = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
@@ -627,6 +667,7 @@ def bench_case(
     group = Group.build(case, dtypes, world_size, rank, device)
     fsdp2 = _fsdp2_ops()
     timer = _timer(device, repeat)
+    host_timer = _host_timer(device, repeat)
     records = []
     for op in ops:
         builder = _ON_DIMS.get(op) if case.dims else None
@@ -634,8 +675,13 @@ def bench_case(
         bench.fsdp_rs()
         bench.torch()
         outputs_equal = bench.outputs_equal()
-        fsdp_rs_t, torch_t = timer(bench.fsdp_rs), timer(bench.torch)
+        torch_t = timer(bench.torch)
+        # [Note: Host cost] the runtime makes no call where it aliases
+        fsdp_rs_t = _NO_CALL if bench.aliases else timer(bench.fsdp_rs)
+        fsdp_rs_host = fsdp_rs_t if bench.aliases else host_timer(bench.fsdp_rs, fsdp_rs_t)
+        torch_host = host_timer(bench.torch, torch_t)
         nbytes, impl, factor = bench.nbytes, bench.torch_impl, bench.divide_factor
+        aliases = bench.aliases
         del bench  # free the op's buffers before the plain copy allocates its own
         copy_t = timer(_plain_copy(nbytes, device))
         fsdp_rs_s, torch_s, copy_s = fsdp_rs_t.median, torch_t.median, copy_t.median
@@ -664,6 +710,9 @@ def bench_case(
                 "fsdp_rs_best_s": fsdp_rs_t.best,
                 "torch_best_s": torch_t.best,
                 "copy_best_s": copy_t.best,
+                "fsdp_rs_host_s": fsdp_rs_host.median,
+                "torch_host_s": torch_host.median,
+                "aliases": aliases,
                 "fsdp_rs_gbps": _gbps(nbytes, fsdp_rs_s),
                 "torch_gbps": _gbps(nbytes, torch_s),
                 "copy_gbps": _gbps(nbytes, copy_s),

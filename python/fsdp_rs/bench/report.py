@@ -52,6 +52,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
+
+
 def _plan_rows(records: Sequence[Record], prefix: str) -> list[list[str]]:
     rows = []
     for r in records:
@@ -109,6 +113,8 @@ _COPY_HEADERS = (
     "frac of copy",
     "torch ms",
     "speedup",
+    "host us",
+    "torch host us",
 )
 
 
@@ -120,11 +126,13 @@ def copy_table(records: Sequence[Record]) -> str:
             r["op"],
             _fmt(r["n_params"], "d"),
             _fmt(r["bytes"] / 1e6, ".1f"),
-            _fmt(_ms(r["fsdp_rs_s"]), ".3f"),
+            "alias" if r.get("aliases") else _fmt(_ms(r["fsdp_rs_s"]), ".3f"),
             _fmt(r["fsdp_rs_gbps"], ".1f"),
             _fmt(r["frac_of_copy"], ".2f"),
             _fmt(_ms(r["torch_s"]), ".3f"),
             _fmt(r["speedup"], ".2f"),
+            _fmt(_us(r.get("fsdp_rs_host_s")), ".0f"),
+            _fmt(_us(r.get("torch_host_s")), ".0f"),
         ]
         for r in records
     ]

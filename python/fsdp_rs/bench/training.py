@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_rs.bench.timing import fresh_dtensor_caches
+
 __all__ = [
     "BLOCK_SHAPES",
     "BenchModel",
@@ -212,6 +214,7 @@ def bench_step(
     samples: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeat):
         for name, model in models.items():
+            fresh_dtensor_caches()  # [Note: One process, two libraries]
             _step(model, x)  # untimed: brings this model back into the caches
             timed = [_step(model, x) for _ in range(STEPS_PER_ROUND)]
             samples[name].append(statistics.median(timed))

@@ -9,6 +9,10 @@ what to install.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -59,13 +63,28 @@ def jit(fn: Any) -> Any:
 
 
 def pointer_table(
-    entries: list[tuple[int, int]], device: torch.device
+    tensors: Sequence[torch.Tensor | None], device: torch.device, words: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(address, numel) pairs as two contiguous int64 columns on ``device``, in one
-    upload; see [Note: Pointer tables] in reduce_scatter_copy_in.py."""
-    table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
-    table = table.to(device, non_blocking=True)
-    return table[0], table[1]
+    """Each tensor's address and ``numel * words`` (0 and 0 for None) as two
+    contiguous int64 columns on ``device``, in one upload; see [Note: Pointer
+    tables] in reduce_scatter_copy_in.py. The attributes are read by C-level
+    ``map``s into NumPy, not a Python loop: about 0.1 us per tensor."""
+    count = len(tensors)
+    table = np.zeros((2, count), np.int64)
+    present = list(itertools.filterfalse(_is_none, tensors))
+    if len(present) == count:
+        at: Any = slice(None)
+    else:
+        at = ~np.fromiter(map(_is_none, tensors), bool, count)
+    table[0, at] = np.fromiter(map(torch.Tensor.data_ptr, present), np.int64, len(present))
+    table[1, at] = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+    if words != 1:
+        table[1] *= words
+    uploaded = torch.from_numpy(table).to(device, non_blocking=True)
+    return uploaded[0], uploaded[1]
+
+
+_is_none = functools.partial(operator.is_, None)  # C-level; `None in tensors` calls __eq__
 
 
 def f32_reciprocal(divide_factor: float) -> float:

@@ -282,9 +282,7 @@ def triton_all_gather_copy_out(
     world_size, row_numel = all_gather_output.shape  # row_numel in words
     per_param = len(out) > 1
     if per_param:
-        dst_ptrs, dst_numel = pointer_table(
-            [(t.data_ptr(), t.numel()) for t in out], all_gather_output.device
-        )
+        dst_ptrs, dst_numel = pointer_table(out, all_gather_output.device)
     else:
         dst_ptrs = dst_numel = row_offsets  # unused
     _copy_out_kernel[(num_tiles, world_size)](
