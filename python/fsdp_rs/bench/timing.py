@@ -129,7 +129,7 @@ def fresh_dtensor_caches() -> None:
     if clear_all is not None:
         clear_all()
         return
-    propagator = DTensor._op_dispatcher.sharding_propagator  # older torch: Python only
-    clear = getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None)
-    if clear is not None:
-        clear()
+    # older torch (2.9): the Python cache only, without a cache_clear of its own
+    cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    clear = getattr(cache, "cache_clear", None) or cache.cache.cache_clear
+    clear()
