@@ -602,8 +602,6 @@ def _timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]]
 
 
 _NO_CALL = Timing((0.0,))
-
-
 _HostTimer = Callable[[Callable[[], object], Timing], Timing]
 
 
@@ -676,12 +674,14 @@ def bench_case(
         bench.torch()
         outputs_equal = bench.outputs_equal()
         torch_t = timer(bench.torch)
-        # [Note: Host cost] the runtime makes no call where it aliases
-        fsdp_rs_t = _NO_CALL if bench.aliases else timer(bench.fsdp_rs)
-        fsdp_rs_host = fsdp_rs_t if bench.aliases else host_timer(bench.fsdp_rs, fsdp_rs_t)
         torch_host = host_timer(bench.torch, torch_t)
-        nbytes, impl, factor = bench.nbytes, bench.torch_impl, bench.divide_factor
         aliases = bench.aliases
+        if aliases:  # [Note: Host cost] the runtime makes no call here
+            fsdp_rs_t = fsdp_rs_host = _NO_CALL
+        else:
+            fsdp_rs_t = timer(bench.fsdp_rs)
+            fsdp_rs_host = host_timer(bench.fsdp_rs, fsdp_rs_t)
+        nbytes, impl, factor = bench.nbytes, bench.torch_impl, bench.divide_factor
         del bench  # free the op's buffers before the plain copy allocates its own
         copy_t = timer(_plain_copy(nbytes, device))
         fsdp_rs_s, torch_s, copy_s = fsdp_rs_t.median, torch_t.median, copy_t.median

@@ -110,11 +110,11 @@ def fresh_dtensor_caches() -> None:
     DTensor caches each op's sharding decision under a key made of its
     arguments' ``DTensorSpec`` objects, process-wide (per thread; in torch 2.13
     in a C++ cache as well as in Python). Two models sharded separately have
-    equal but distinct specs (each library, each model,
-    builds its own meshes and specs), so the model that runs second finds the
-    first one's keys: every lookup compares its specs with the stored ones field
-    by field (``DTensorSpec.__eq__``, ``DeviceMesh.__eq__``: a few microseconds
-    each) instead of by identity. A foreach AdamW step over 2,000 DTensor
+    equal but distinct specs (each library, each model, builds its own meshes
+    and specs), so the model that runs second finds the first one's keys: every
+    lookup compares its specs with the stored ones field by field
+    (``DTensorSpec.__eq__``, ``DeviceMesh.__eq__``: a few microseconds each)
+    instead of by identity. A foreach AdamW step over 2,000 DTensor
     parameters (CPU, cProfile) makes 2,000 such calls when its own model filled
     the caches and 12,000 when the other library's did: 68 ms for fsdp-rs alone,
     147 ms right after FSDP2 (FSDP2: 72 ms alone, 92 ms after fsdp-rs). On a GPU,

@@ -6,7 +6,9 @@ so the checks are cheap and never synchronize a device.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +25,16 @@ __all__ = [
     "check_table",
     "check_tile_table",
     "chunk_runs",
+    "device_of",
+    "dtype_of",
+    "is_none",
 ]
+
+# C-level callables for ``map`` over tensor lists: checks whose Python cost
+# does not grow with the number of tensors ([Note: Pointer tables]).
+dtype_of = operator.attrgetter("dtype")
+device_of = operator.attrgetter("device")
+is_none = functools.partial(operator.is_, None)  # `None in tensors` would call Tensor.__eq__
 
 
 def check_buffer(op: str, name: str, t: torch.Tensor, ndim: int) -> None:

@@ -9,9 +9,7 @@ what to install.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +23,7 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
+from fsdp_rs.kernels._checks import is_none
 from fsdp_rs.kernels._dtypes import bits, bits_dtype, words
 
 __all__ = [
@@ -71,20 +70,17 @@ def pointer_table(
     ``map``s into NumPy, not a Python loop: about 0.1 us per tensor."""
     count = len(tensors)
     table = np.zeros((2, count), np.int64)
-    present = list(itertools.filterfalse(_is_none, tensors))
+    present = list(itertools.filterfalse(is_none, tensors))
     if len(present) == count:
         at: Any = slice(None)
     else:
-        at = ~np.fromiter(map(_is_none, tensors), bool, count)
+        at = ~np.fromiter(map(is_none, tensors), bool, count)
     table[0, at] = np.fromiter(map(torch.Tensor.data_ptr, present), np.int64, len(present))
     table[1, at] = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
     if words != 1:
         table[1] *= words
     uploaded = torch.from_numpy(table).to(device, non_blocking=True)
     return uploaded[0], uploaded[1]
-
-
-_is_none = functools.partial(operator.is_, None)  # C-level; `None in tensors` calls __eq__
 
 
 def f32_reciprocal(divide_factor: float) -> float:

@@ -30,7 +30,6 @@ other params; ``reduce_scatter_copy_in`` reads gradients by the same map.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +40,8 @@ from fsdp_rs.kernels._checks import (
     check_layout_tables,
     check_same_device,
     chunk_runs,
+    device_of,
+    dtype_of,
 )
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._dtypes import bits, is_copyable
@@ -116,15 +117,13 @@ def _plain_outputs(out: Sequence[torch.Tensor], all_gather_output: torch.Tensor)
     outputs ([Note: Host cost] in ``bench/copy.py``)."""
     if not set(map(type, out)) <= _TENSOR_TYPES:
         return False
-    ok = set(map(_DTYPE, out)) == {all_gather_output.dtype}
-    ok = ok and set(map(_DEVICE, out)) == {all_gather_output.device}
+    ok = set(map(dtype_of, out)) == {all_gather_output.dtype}
+    ok = ok and set(map(device_of, out)) == {all_gather_output.device}
     ok = ok and set(map(torch.Tensor.dim, out)) == {1}
     return ok and all(map(torch.Tensor.is_contiguous, out)) and is_copyable(out[0].dtype)
 
 
 _TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 
 
 def torch_all_gather_copy_out(

@@ -29,7 +29,6 @@ every read, so a wrong-sized gradient can never make the kernel read outside it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -46,6 +45,9 @@ from fsdp_rs.kernels._checks import (
     check_table,
     check_tile_table,
     chunk_runs,
+    device_of,
+    dtype_of,
+    is_none,
 )
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
@@ -147,13 +149,13 @@ def _check_grads(
     plan expects. Vectorized (C-level ``map``s and NumPy); on a failure the
     per-gradient loop finds the first offender and names it. Returns each
     gradient's numel, ``W * n`` (its zero stand-in's) for a missing one."""
-    present = list(itertools.filterfalse(_is_none, grads))
+    present = list(itertools.filterfalse(is_none, grads))
     padded = padded_numel.cpu().numpy()
     ok = True
     numel = np.empty(0, np.int64)
-    mask = np.fromiter(map(_is_none, grads), bool, len(grads)) ^ True
+    mask = np.fromiter(map(is_none, grads), bool, len(grads)) ^ True
     if present:
-        ok = set(map(_DTYPE, present)) == {dtype} and set(map(_DEVICE, present)) == {device}
+        ok = set(map(dtype_of, present)) == {dtype} and set(map(device_of, present)) == {device}
         count = len(present)
         ok = ok and bool((np.fromiter(map(torch.Tensor.dim, present), np.int64, count) > 0).all())
         if ok:
@@ -179,11 +181,8 @@ def _check_grads(
             )
 
 
-_DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _FIRST = operator.itemgetter(0)
-_is_none = functools.partial(operator.is_, None)  # `None in tensors` would call Tensor.__eq__
-_DEVICE = operator.attrgetter("device")
 
 
 def _kernel_grads(
@@ -193,13 +192,13 @@ def _kernel_grads(
     ``device`` and contiguous (a strided one copied). C-level ``map``s over the
     list; the per-gradient loop runs only to name an offender or copy a strided
     gradient."""
-    present = list(itertools.filterfalse(_is_none, grads))
+    present = list(itertools.filterfalse(is_none, grads))
     # On CUDA, get_device (an int: -1 for CPU and meta tensors) costs half of
     # building each torch.device; elsewhere (the interpreter) devices compare whole.
     index = device.index if device.type == "cuda" else -1
-    same_type = device.type == "cuda" or set(map(_DEVICE, present)) <= {device}
+    same_type = device.type == "cuda" or set(map(device_of, present)) <= {device}
     if not (
-        set(map(_DTYPE, present)) <= {dtype}
+        set(map(dtype_of, present)) <= {dtype}
         and set(map(torch.Tensor.get_device, present)) <= {index}
         and same_type
     ):
@@ -255,7 +254,7 @@ def torch_reduce_scatter_copy_in(
 def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
     """The gradients flattened and concatenated (zeros standing in for a missing
     one, one more zero at the end), gathered by ``index``."""
-    if any(map(_is_none, grads)):
+    if any(map(is_none, grads)):
         flat = [
             reduce_scatter_input.new_zeros(n, dtype=dtype) if g is None else g.flatten()
             for g, n in zip(grads, numels.tolist(), strict=True)
