@@ -11,7 +11,6 @@ the later steps run with ``error_on_recompile``).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_rs.demo import Block
+from spawned import finish
 
 STEPS = 5
 LAYERS = 2
@@ -270,6 +270,4 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(out_dir, rank, results)

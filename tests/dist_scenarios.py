@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_rs.demo import Transformer
+from spawned import finish
 from stream_sim import simulated_streams
 
 STEPS = 5
@@ -334,6 +334,4 @@ def _run(rank, world_size, port, names, out_dir, backend: str, device: str) -> N
         results["checkpoint"] = checkpoint_round_trip(out_dir, world_size, device)
     except Exception:
         results["checkpoint"] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(out_dir, rank, results)

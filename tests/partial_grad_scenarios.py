@@ -35,6 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from spawned import finish
+
 STEPS = 5
 DIM, HIDDEN, EXPERTS, TOKENS = 8, 12, 5, 8
 HINT = 4.0  # added to the chosen expert's router logit: top-1 follows the data
@@ -273,9 +275,7 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
                 json.dump(results, f)
             raise  # the other ranks may be waiting in a collective: end the spawn
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(out_dir, rank, results)
 
 
 __all__: list[Callable | str] = ["SCENARIOS", "run", "worker"]

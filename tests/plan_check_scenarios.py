@@ -13,7 +13,6 @@ the spawning test bounds with a timeout.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
 from fsdp_rs.runtime.plan_check import ENV_VAR
+from spawned import finish
 
 WIDTH = 16
 
@@ -307,6 +307,4 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
                 "traceback": traceback.format_exc(),
             }
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(out_dir, rank, results)

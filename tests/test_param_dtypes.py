@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_rs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawned import read_ranks, spawn_scenarios
+from spawned import finish, read_ranks, spawn_scenarios
 
 LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
 DIM = 16
@@ -138,8 +138,7 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
             Path(path).write_text(json.dumps(results))
             raise
         dist.barrier()
-    Path(path).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    finish(out_dir, rank, results)
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda w: f"W{w}")
