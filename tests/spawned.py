@@ -1,6 +1,16 @@
 """Running scenario workers in spawned gloo processes, one per rank, shared by
 the spawned test modules: each worker takes ``(rank, world_size, port, names,
-out_dir)`` and writes ``rank{r}.json`` with its results per scenario."""
+out_dir)`` and writes ``rank{r}.json`` with its results per scenario.
+
+[Note: Ranks from a forkserver]
+Each rank is a fresh interpreter (fork is unsafe once the test process has run
+torch's thread pools), and importing torch and its distributed packages costs
+about 3 s of CPU per rank: about 30 spawns of 2 or 4 ranks per pytest run, on a
+2-core CI machine. The ranks are therefore forked from multiprocessing's
+forkserver, a clean process that has imported those packages once and run
+nothing. A forked rank would see the environment of when the forkserver
+started, so each rank takes the test process's environment as it is at the
+spawn (``_in_environment``)."""
 
 from __future__ import annotations
 
@@ -20,6 +30,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What the forkserver imports once for every rank ([Note: Ranks from a forkserver]).
+mp.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.device_mesh",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "fsdp_rs",
+    ]
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,8 +58,10 @@ def spawn_scenarios(
 ) -> None:
     """Run ``worker`` on ``world_size`` spawned ranks; raises if a rank did, or
     (killing the ranks) if they are not done after ``timeout_s`` seconds."""
-    args = (world_size, free_port(), names, str(out))
-    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False)
+    args = (worker, dict(os.environ), world_size, free_port(), names, str(out))
+    context = mp.start_processes(
+        _in_environment, args=args, nprocs=world_size, join=False, start_method="forkserver"
+    )
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while not context.join(
@@ -50,6 +74,13 @@ def spawn_scenarios(
                 raise TimeoutError(f"the {world_size} ranks did not finish in {timeout_s} s")
     except mp.ProcessExitedException as e:
         raise RuntimeError(f"{e}; {_progress(out, world_size, len(names))}") from e
+
+
+def _in_environment(rank: int, worker: Callable, environ: dict, *args) -> None:
+    """``worker(rank, *args)`` in the spawning process's environment."""
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
 
 
 def _progress(out: Path, world_size: int, total: int) -> str:
