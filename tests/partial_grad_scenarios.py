@@ -24,7 +24,6 @@ largest parameter difference.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from spawned import finish
+from spawned import finish, write_results
 
 STEPS = 5
 DIM, HIDDEN, EXPERTS, TOKENS = 8, 12, 5, 8
@@ -271,8 +270,7 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
             results[name] = run(SCENARIOS[name], world_size, rank)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump(results, f)
+            write_results(out_dir, rank, results)
             raise  # the other ranks may be waiting in a collective: end the spawn
         dist.barrier()
     finish(out_dir, rank, results)

@@ -89,11 +89,20 @@ def _progress(out: Path, world_size: int, total: int) -> str:
     parts = []
     for rank in range(world_size):
         try:
-            done = len(json.loads((out / f"rank{rank}.json").read_text()))
+            done = len(json.loads(results_path(out, rank).read_text()))
         except (OSError, ValueError):  # none yet, or cut off mid-write
             done = 0
         parts.append(f"rank {rank} wrote {done} of {total} results")
     return ", ".join(parts)
+
+
+def results_path(out_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its results."""
+    return Path(out_dir, f"rank{rank}.json")
+
+
+def write_results(out_dir: str | Path, rank: int, results: dict) -> None:
+    results_path(out_dir, rank).write_text(json.dumps(results))
 
 
 def finish(out_dir: str, rank: int, results: dict) -> NoReturn:
@@ -109,7 +118,7 @@ def finish(out_dir: str, rank: int, results: dict) -> NoReturn:
     here. Nothing after the results is under test, so a rank leaves the group
     while everything is alive and skips the teardown (``os._exit``); should a
     rank die again, ``spawn_scenarios`` says how far each rank got."""
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    write_results(out_dir, rank, results)
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -118,7 +127,7 @@ def finish(out_dir: str, rank: int, results: dict) -> NoReturn:
 
 def read_ranks(out: Path, world_size: int) -> list[dict]:
     """Each rank's results; ``{}`` for a rank that wrote none."""
-    paths = [out / f"rank{r}.json" for r in range(world_size)]
+    paths = [results_path(out, r) for r in range(world_size)]
     return [json.loads(p.read_text()) if p.exists() else {} for p in paths]
 
 
@@ -141,13 +150,12 @@ def gloo_worker(
     )
     torch.set_num_threads(1)
     results: dict = {}
-    path = Path(out_dir) / f"rank{rank}.json"
     for name in names:
         try:
             results[name] = run(world_size, rank, name)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-            path.write_text(json.dumps(results))
+            write_results(out_dir, rank, results)
             raise
         dist.barrier()
     finish(out_dir, rank, results)

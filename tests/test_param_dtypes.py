@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_rs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawned import finish, read_ranks, spawn_scenarios
+from spawned import finish, read_ranks, spawn_scenarios, write_results
 
 LIBS = {"rs": fsdp_rs.fully_shard, "torch": torch_fully_shard}
 DIM = 16
@@ -129,13 +128,12 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
     )
     torch.set_num_threads(1)
     results = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
     for name in names:
         try:
             results[name] = train(world_size, rank, **SCENARIOS[name])
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-            Path(path).write_text(json.dumps(results))
+            write_results(out_dir, rank, results)
             raise
         dist.barrier()
     finish(out_dir, rank, results)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawned import gloo_worker, read_ranks, spawn_scenarios
+from spawned import gloo_worker, read_ranks, spawn_scenarios, write_results
 
 
 def _aborting_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str):
     """Writes its results, then rank 1 dies as the CI rank did (SIGABRT)."""
-    Path(out_dir, f"rank{rank}.json").write_text('{"a": 1}' if rank else '{"a": 1, "b": 2}')
+    write_results(out_dir, rank, {"a": 1} if rank else {"a": 1, "b": 2})
     if rank == 1:
         os.kill(os.getpid(), signal.SIGABRT)
 
