@@ -535,3 +535,43 @@ def test_time_call_without_collect(monkeypatch) -> None:
     monkeypatch.setattr(gc, "collect", no_collect)
     timing, result = time_call(lambda: 7, repeat=2, warmup=1, collect=False)
     assert result == 7 and len(timing.seconds) == 2 and gc.isenabled()
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_memory_cli_prints_and_records_the_predicted_peak(tmp_path, capsys):
+    """``bench memory``: every phase side by side, and on the peak row the
+    planner's prediction (made before the first step) with its error."""
+    path = tmp_path / "memory.json"
+    argv = ["memory", "--world-size", "2", "--dim", "512", "--layers", "2"]
+    assert (
+        cli.main([*argv, "--config", "fp32", "--config", "frozen_weights", "--json", str(path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    records = json.loads(path.read_text())
+    assert [(r["config"], r["phase"]) for r in records] == [
+        (c, p)
+        for c in ("fp32", "frozen_weights")
+        for p in ("init", "forward", "peak", "optimizer", "zero_grad")
+    ]
+    for r in records:
+        assert {
+            "bench",
+            "model",
+            "config",
+            "world_size",
+            "phase",
+            "fsdp_rs_bytes",
+            "torch_bytes",
+            "ratio",
+        } <= set(r)
+        assert r["bench"] == "memory" and r["world_size"] == 2
+        assert r["ratio"] == pytest.approx(r["fsdp_rs_bytes"] / r["torch_bytes"])
+        if r["phase"] == "peak":
+            assert abs(r["predicted_bytes"] / r["fsdp_rs_bytes"] - 1) <= 0.05, r
+            line = next(s for s in out.splitlines() if s.startswith(r["config"]) and " peak " in s)
+            assert f"{r['predicted_bytes'] / 2**20:.2f}" in line
+        else:
+            assert r["predicted_bytes"] is None

@@ -70,6 +70,27 @@ def test_memory_not_above_fsdp2(fake_pg, config, monkeypatch):
     assert not over, f"{config}: fsdp-rs above torch FSDP2 (MiB, ours vs theirs): {over}"
 
 
+@pytest.mark.parametrize("fake_pg", [4, 2], indirect=True, ids=["W4", "W2"])
+@pytest.mark.parametrize("config", [*CONFIGS, *EXTRA, *OFFLOAD])
+def test_predicted_peak_within_5_percent(fake_pg, config, monkeypatch):
+    """The planner's peak, predicted after fully_shard from the plans and a meta
+    forward's activations (``bench.memory._predict``), is within 5% of the peak
+    MemTracker measures in the step."""
+    if config in EXTRA:
+        monkeypatch.setitem(CONFIGS, config, EXTRA[config])
+    if config in OFFLOAD:
+        _offload(monkeypatch)
+        config = OFFLOAD[config]
+    if CONFIGS[config][0] > fake_pg:
+        pytest.skip(f"{config} needs W >= {CONFIGS[config][0]}")
+    ours = measure("fsdp_rs", config, fake_pg, torch.device("cpu"), **SIZES)
+    error = ours["predicted_peak"] / ours["peak"] - 1
+    assert abs(error) <= 0.05, (
+        f"{config}: predicted {ours['predicted_peak']} bytes, measured {ours['peak']} "
+        f"({error:+.2%})"
+    )
+
+
 @pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])
 def test_zero_grad_set_to_none_frees_gradients(fake_pg):
     """After zero_grad() no gradient memory is held; with set_to_none=False the

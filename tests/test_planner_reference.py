@@ -213,17 +213,25 @@ def test_rust_matches_reference_on_huge_inputs(
 
 @SETTINGS
 @given(
-    groups=st.lists(st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 5), max_size=4),
+    groups=st.lists(
+        st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 11, st.booleans()),
+        max_size=4,
+    ),
     prefetch=st.sampled_from([0, 1, 2**63 - 1]),
-    reshard=st.booleans(),
+    flags=st.tuples(st.booleans(), st.booleans()),
+    resident=st.sampled_from([0, 2**62, 2**63 - 1]),
 )
-def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, reshard):
-    columns = [np.array(c, dtype=np.int64) for c in zip(*groups, strict=True)] or [
-        np.zeros(0, dtype=np.int64)
-    ] * 5
-    kwargs = dict(prefetch=prefetch, reshard_after_forward=reshard)
-    want = _outcome(ref.peak_memory, *columns, **kwargs)
-    got = _outcome(core.peak_memory, *columns, **kwargs)
+def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, flags, resident):
+    args, kwargs = _memory_args(groups)
+    kwargs.update(
+        prefetch=prefetch,
+        forward_prefetch=prefetch,
+        accumulate=flags[0],
+        side_streams=flags[1],
+        resident_bytes=resident,
+    )
+    want = _outcome(ref.peak_memory, *args, **kwargs)
+    got = _outcome(core.peak_memory, *args, **kwargs)
     assert (got if got is ValueError else dict(got)) == want
 
 
@@ -557,45 +565,110 @@ def test_rust_tables_are_read_only_zero_copy_views():
 # ----------------------------------------------------------------------------- peak memory
 
 
-def _peak_literal(sh, ag, un, ri, ro, k, reshard):
-    """The spec's formula, spelled out with explicit sums."""
-    g = len(sh)
-    held = [0 if reshard else sum(un[:i]) for i in range(g)]
-    fwd = [
-        ag[i] + un[i] + sum(ag[j] for j in range(i + 1, min(i + k, g - 1) + 1)) + held[i]
-        for i in range(g)
-    ]
-    bwd = [
-        ((ag[i] + sum(ag[j] for j in range(max(i - k, 0), i))) if reshard else 0)
-        + un[i]
-        + ri[i]
-        + ro[i]
-        + sum(sh[i + 1 :])
-        + held[i]
-        for i in range(g)
-    ]
-    forward, backward = max(fwd, default=0), max(bwd, default=0)
-    return {
-        "persistent": sum(sh),
-        "forward": forward,
-        "backward": backward,
-        "peak": sum(sh) + max(forward, backward),
-    }
+OPTIONAL_MEMORY_FIELDS = [
+    "gradient_bytes",
+    "unsharded_gradient_bytes",
+    "accumulated_gradient_bytes",
+    "activation_bytes",
+    "post_forward_bytes",
+    "output_bytes",
+]
+
+
+def _memory_args(groups):
+    """``peak_memory``'s arguments from per-group tuples: five required byte
+    counts, six optional ones, and reshard_after_forward."""
+    n = len(groups)
+    columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(11)]
+    kwargs = dict(zip(OPTIONAL_MEMORY_FIELDS, columns[5:], strict=True))
+    kwargs["reshard_after_forward"] = np.array([g[11] for g in groups], dtype=bool).reshape(n)
+    return columns[:5], kwargs
 
 
 @SETTINGS
 @given(
-    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 5), max_size=30),
+    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 11, st.booleans()), max_size=30),
     prefetch=st.one_of(st.integers(0, 4), st.integers(0, 2**63 - 1)),
-    reshard=st.booleans(),
+    forward_prefetch=st.integers(0, 3),
+    flags=st.tuples(st.booleans(), st.booleans()),
+    resident=st.integers(0, 2**40),
 )
-def test_peak_memory_matches_formula(planner, groups, prefetch, reshard):
-    columns = [np.array(c, dtype=np.int64) for c in zip(*groups, strict=True)] or [
-        np.zeros(0, dtype=np.int64)
-    ] * 5
-    got = planner.peak_memory(*columns, prefetch=prefetch, reshard_after_forward=reshard)
-    want = _peak_literal(*[c.tolist() for c in columns], prefetch, reshard)
-    assert dict(got) == want
+def test_rust_peak_memory_matches_reference(groups, prefetch, forward_prefetch, flags, resident):
+    args, kwargs = _memory_args(groups)
+    kwargs.update(
+        prefetch=prefetch,
+        forward_prefetch=forward_prefetch,
+        accumulate=flags[0],
+        side_streams=flags[1],
+        resident_bytes=resident,
+    )
+    assert dict(core.peak_memory(*args, **kwargs)) == ref.peak_memory(*args, **kwargs)
+    # The optional arrays' defaults.
+    bare = {k: kwargs[k] for k in ("prefetch", "reshard_after_forward")}
+    assert dict(core.peak_memory(*args, **bare)) == ref.peak_memory(*args, **bare)
+
+
+def _example(**kwargs):
+    """Three groups: the worked examples of [Note: Memory model]'s Rust tests."""
+    columns = [[10, 20, 30], [80, 160, 240], [80, 160, 240], [160, 320, 480], [20, 40, 60]]
+    return [np.array(c, dtype=np.int64) for c in columns], kwargs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "want"),
+    [
+        # forward g=2: previous all-gather output 160 + 240 + 240; backward: g=1
+        # computing (80 in flight + 160 + 160 + g=2's reduce-scatter input 480 + 60
+        # reduced); g=2 reducing is 160 in flight + 480 + its gradients 240.
+        ({}, (60, 640, 940)),
+        # no side streams: the previous output is freed at its copy-out, and g=1
+        # gathers its 160 bytes of gradients where g=2's reduce-scatter input was.
+        ({"side_streams": False}, (60, 480, 880)),
+        # activations (5, 6, 7), outputs (1, 2, 3), g=0 kept unsharded: forward g=2
+        # 11 + 80 + 160 + 240 + 240; backward g=2 reducing 11 + 80 + 160 + 2 + 480
+        # + 240.
+        (
+            {
+                "activation_bytes": [5, 6, 7],
+                "output_bytes": [1, 2, 3],
+                "reshard_after_forward": [False, True, True],
+            },
+            (60, 731, 973),
+        ),
+        # ... accumulating: every unsharded gradient (480) through forward; a
+        # micro-step without sync at g=2 adds fresh ones (240); 7 resident bytes.
+        (
+            {
+                "activation_bytes": [5, 6, 7],
+                "output_bytes": [1, 2, 3],
+                "reshard_after_forward": [False, True, True],
+                "accumulate": True,
+                "resident_bytes": 7,
+            },
+            (67, 1211, 1223),
+        ),
+        # resharded to a smaller world, each group keeps 40 bytes from forward:
+        # forward g=2 80 + 160 + 240 + 240 (g=1: 40 + 80 + 160 + 160 + 240
+        # prefetched); backward g=1 computing 40 + 80 + 160 + 160 + 480 + 60.
+        ({"post_forward_bytes": [40, 40, 40], "forward_prefetch": 1}, (60, 720, 980)),
+    ],
+    ids=["side-streams", "no-side-streams", "activations", "accumulate", "post-forward"],
+)
+def test_peak_memory_worked_examples(planner, kwargs, want):
+    args, kwargs = _example(**kwargs)
+    for key in ("activation_bytes", "output_bytes", "post_forward_bytes"):
+        if key in kwargs:
+            kwargs[key] = np.array(kwargs[key], dtype=np.int64)
+    if isinstance(kwargs.get("reshard_after_forward"), list):
+        kwargs["reshard_after_forward"] = np.array(kwargs["reshard_after_forward"])
+    got = planner.peak_memory(*args, gradient_bytes=args[4], **kwargs)
+    persistent, forward, backward = want
+    assert dict(got) == {
+        "persistent": persistent,
+        "forward": forward,
+        "backward": backward,
+        "peak": persistent + max(forward, backward),
+    }
 
 
 @SETTINGS
@@ -612,18 +685,34 @@ def test_peak_memory_of_planned_groups(planner, cases):
 
 def test_peak_memory_rejects_bad_input(planner):
     ok = [np.array([1, 2, 3], dtype=np.int64)] * 5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="reduce_scatter_output_bytes has 2 groups"):
         planner.peak_memory(*ok[:4], np.array([1, 2], dtype=np.int64))
     for i in range(5):
         bad = list(ok)
         bad[i] = np.array([1, -2, 3], dtype=np.int64)
         with pytest.raises(ValueError):
             planner.peak_memory(*bad)
-    with pytest.raises(ValueError):
-        planner.peak_memory(*ok, prefetch=-1)
+    for name in OPTIONAL_MEMORY_FIELDS:
+        with pytest.raises(ValueError, match=name):
+            planner.peak_memory(*ok, **{name: np.array([1, -2, 3], dtype=np.int64)})
+        with pytest.raises(ValueError, match=name):
+            planner.peak_memory(*ok, **{name: np.array([1], dtype=np.int64)})
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        planner.peak_memory(*ok, reshard_after_forward=np.array([True, False]))
+    for name in ("prefetch", "forward_prefetch", "resident_bytes"):
+        with pytest.raises(ValueError, match=name):
+            planner.peak_memory(*ok, **{name: -1})
     huge = [np.array([2**62, 2**62], dtype=np.int64)] * 5
     with pytest.raises(ValueError):
         planner.peak_memory(*huge)
+
+
+def test_rust_peak_memory_rejects_wrong_types():
+    ok = [np.array([1, 2, 3], dtype=np.int64)] * 5
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        core.peak_memory(*ok, reshard_after_forward=np.array([1, 0, 1]))
+    with pytest.raises(TypeError, match="activation_bytes"):
+        core.peak_memory(*ok, activation_bytes=[1, 2, 3])
 
 
 @pytest.mark.parametrize(
@@ -632,11 +721,12 @@ def test_peak_memory_rejects_bad_input(planner):
     ids=["unsharded-reshard", "all_gather-prefetch0", "all_gather-no-reshard"],
 )
 def test_peak_memory_no_spurious_overflow(planner, column, prefetch, reshard):
-    """Sums the formula never takes (e.g. all groups' unsharded bytes when resharding
-    after forward) must not overflow: only the spec's quantities are checked."""
+    """Sums the model never takes (e.g. all groups' unsharded bytes when resharding
+    after forward) must not overflow: only the reported quantities are checked."""
     columns = [np.zeros(2, dtype=np.int64) for _ in range(5)]
     columns[column] = np.array([2**62, 2**62], dtype=np.int64)
-    got = planner.peak_memory(*columns, prefetch=prefetch, reshard_after_forward=reshard)
-    want = _peak_literal(*[c.tolist() for c in columns], prefetch, reshard)
-    assert want["peak"] == 2**62
-    assert dict(got) == want
+    kwargs = dict(prefetch=prefetch, reshard_after_forward=reshard, side_streams=False)
+    kwargs["unsharded_gradient_bytes"] = np.zeros(2, dtype=np.int64)
+    got = planner.peak_memory(*columns, **kwargs)
+    assert dict(got)["peak"] == 2**62
+    assert dict(got) == ref.peak_memory(*columns, **kwargs)

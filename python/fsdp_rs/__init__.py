@@ -9,13 +9,16 @@ from fsdp_rs._core import __version__
 from fsdp_rs.planning import FlatPlan, GroupPlan, peak_memory, plan_flat, plan_group
 
 _RUNTIME = (
+    "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
+    "predict_memory",
     "register_fsdp_forward_method",
+    "saved_activation_bytes",
     "share_comm_ctx",
 )
 

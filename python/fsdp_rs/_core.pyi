@@ -194,8 +194,23 @@ def peak_memory(
     reduce_scatter_output_bytes: Int64Array,
     *,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    forward_prefetch: int = 0,
+    reshard_after_forward: bool | BoolArray = True,
+    gradient_bytes: Int64Array | None = None,
+    unsharded_gradient_bytes: Int64Array | None = None,
+    accumulated_gradient_bytes: Int64Array | None = None,
+    activation_bytes: Int64Array | None = None,
+    post_forward_bytes: Int64Array | None = None,
+    output_bytes: Int64Array | None = None,
+    resident_bytes: int = 0,
+    accumulate: bool = False,
+    side_streams: bool = True,
 ) -> dict[str, int]:
-    """Peak bytes for groups run in order; see [Note: Memory model] in
-    ``rust/planner/src/memory.rs``. Keys: ``persistent``, ``forward``,
-    ``backward``, ``peak``."""
+    """Peak bytes of one training step over groups run in order (one entry per
+    group in every array, forward order); see [Note: Memory model] in
+    ``rust/planner/src/memory.rs``. Defaults: ``gradient_bytes`` the reduce-scatter
+    output, ``unsharded_gradient_bytes`` the unsharded bytes,
+    ``accumulated_gradient_bytes`` the unsharded gradient bytes, the other arrays
+    zeros; ``reshard_after_forward`` one bool for every group or one per group.
+    Keys: ``persistent`` (sharded bytes plus ``resident_bytes``), ``forward``,
+    ``backward`` (the most held on top of it in each pass), ``peak``."""

@@ -467,13 +467,14 @@ def _add_memory(subparsers) -> None:
             "last step per phase (after init, forward, peak, optimizer step, zero_grad) "
             "side by side. CPU: a fake process group (rank 0 of W) and MemTracker; "
             "CUDA (--device cuda): one GPU with a fake process group and the allocator's "
-            "statistics."
+            "statistics. The peak rows also print the planner's predicted peak for "
+            "fsdp-rs (made before the first step) and its error against the measured one."
         ),
     )
     p.add_argument("--world-size", type=int, default=4, metavar="W", help="(default: 4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dim", type=int, default=256, help="layer width (default: 256)")
-    p.add_argument("--layers", type=int, default=8, help="blocks (default: 8)")
+    p.add_argument("--dim", type=int, default=1024, help="layer width (default: 1024)")
+    p.add_argument("--layers", type=int, default=4, help="blocks (default: 4)")
     p.add_argument("--config", action="append", help="one of the configs; repeat (default: all)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.set_defaults(run=_run_memory, parser=p)
@@ -503,12 +504,19 @@ def _run_memory(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     print(f"memory: {recs[0]['model']}, W={args.world_size} (rank 0), {device.type}, MiB")
-    print(f"{'config':22s} {'phase':10s} {'fsdp-rs':>9s} {'torch':>9s} {'ratio':>6s}")
+    print(
+        f"{'config':26s} {'phase':10s} {'fsdp-rs':>9s} {'torch':>9s} {'ratio':>6s} "
+        f"{'predicted':>9s} {'error':>7s}"
+    )
     for r in recs:
-        print(
-            f"{r['config']:22s} {r['phase']:10s} {r['fsdp_rs_bytes'] / 2**20:9.2f} "
+        line = (
+            f"{r['config']:26s} {r['phase']:10s} {r['fsdp_rs_bytes'] / 2**20:9.2f} "
             f"{r['torch_bytes'] / 2**20:9.2f} {r['ratio']:6.3f}"
         )
+        if r["predicted_bytes"] is not None:
+            error = r["predicted_bytes"] / r["fsdp_rs_bytes"] - 1
+            line += f" {r['predicted_bytes'] / 2**20:9.2f} {error:+7.2%}"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(recs, f, indent=1)

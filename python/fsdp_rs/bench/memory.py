@@ -8,6 +8,15 @@ storage, with the peak of each step; on CUDA it is
 of ``steps`` steps: after init (``fully_shard`` and the optimizer), after
 forward, the peak over the step (backward's, in practice), after the optimizer
 step, after ``zero_grad()``.
+
+For fsdp-rs it also records the planner's predicted peak
+(``fsdp_rs.runtime.memory_plan.predict_memory``), made after ``fully_shard``
+and before the first step: the group plans, the activations a forward of a
+``meta`` copy saves, and the optimizer state AdamW keeps (two sharded copies of
+the trained parameters and a step count per parameter) with the input as
+resident bytes. The CPU reference ops' index cache ([Note: Cached CPU indices])
+is dropped before each measurement, so a row does not depend on the ones before
+it; it is not part of the prediction.
 """
 
 from __future__ import annotations
@@ -41,6 +50,38 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
 def _model(dim: int, layers: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
+
+
+def _activations(options: dict, dim: int, layers: int, batch: int) -> dict:
+    """What a forward of the model saves per block, counted on a ``meta`` copy
+    in the compute dtype (nothing allocated; before the meter starts, which
+    would count meta tensors)."""
+    from fsdp_rs.runtime.memory_plan import saved_activation_bytes
+
+    dtype = torch.bfloat16 if options.get("mp") else torch.float32
+    with torch.device("meta"):
+        copy = _model(dim, layers).to(dtype)
+        x = torch.empty(batch, dim, dtype=dtype)
+    if options.get("frozen_weights"):
+        for block in copy:
+            block[0].weight.requires_grad_(False)
+    return saved_activation_bytes(copy, list(copy), x)
+
+
+def _predict(model: nn.Module, options: dict, activations: dict, input_bytes: int) -> int:
+    """The planner's predicted peak for one step of ``model`` (sharded with
+    fsdp-rs, not yet run)."""
+    from fsdp_rs.runtime.memory_plan import predict_memory
+
+    trained = [p.to_local() for p in model.parameters() if p.requires_grad]
+    optimizer = sum(2 * p.numel() * p.element_size() + 4 for p in trained)
+    predicted = predict_memory(
+        model,
+        activations=activations,
+        resident_bytes=optimizer + input_bytes,
+        accumulate=options.get("micro", 1) > 1,
+    )
+    return predicted["peak"]
 
 
 def _tracker():
@@ -124,7 +165,8 @@ def measure(
     steps: int = 3,
 ) -> dict[str, int]:
     """Bytes per phase for one library (``"fsdp_rs"`` or ``"torch"``) in one
-    config, the process group already initialized."""
+    config, the process group already initialized; for fsdp-rs also
+    ``predicted_peak``, the planner's prediction of ``peak``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if library == "torch":
@@ -141,6 +183,12 @@ def measure(
     if options.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     gc.collect()
+    activations = None
+    if library == "fsdp_rs":
+        from fsdp_rs.kernels import _cpu_index
+
+        _cpu_index.clear()
+        activations = _activations(options, dim, layers, batch)
     with contextlib.ExitStack() as stack:
         model = _model(dim, layers).to(device)
         if options.get("frozen_weights"):
@@ -150,6 +198,9 @@ def measure(
         for block in model:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        predicted = None
+        if activations is not None:
+            predicted = _predict(model, options, activations, batch * dim * 4)
         trained = [p for p in model.parameters() if p.requires_grad]
         if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
             from fsdp_rs.optim import FlatOptimizer
@@ -176,6 +227,8 @@ def measure(
             opt.zero_grad()
             result["zero_grad"] = meter.current()
             result["peak"] = meter.peak()
+        if predicted is not None:
+            result["predicted_peak"] = predicted
         del model, opt, x
     return result
 
@@ -199,6 +252,8 @@ def records(world_size: int, device: torch.device, configs: list[str], **sizes: 
                     "fsdp_rs_bytes": a,
                     "torch_bytes": b,
                     "ratio": a / b if b else float("nan"),
+                    # the planner's prediction of fsdp-rs's peak (peak rows only)
+                    "predicted_bytes": ours["predicted_peak"] if phase == "peak" else None,
                 }
             )
     return out

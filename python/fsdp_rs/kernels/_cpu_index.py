@@ -31,6 +31,7 @@ from fsdp_rs.kernels._segments import segment_columns
 
 __all__ = [
     "BUDGET",
+    "clear",
     "copy_out_index",
     "gap_columns",
     "reduce_scatter_buffer_index",
@@ -40,6 +41,13 @@ __all__ = [
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], object]] = {}
 BUDGET = 1 << 20  # bytes of cached indices, in all
 _held = [0]  # bytes cached now
+
+
+def clear() -> None:
+    """Drop every cached index (a benchmark measuring one model's memory from a
+    clean start calls it; the indices are rebuilt on next use)."""
+    _CACHE.clear()
+    _held[0] = 0
 
 
 def _nbytes(index: object) -> int:

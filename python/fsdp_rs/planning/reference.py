@@ -436,9 +436,21 @@ def peak_memory(
     reduce_scatter_output_bytes: Any,
     *,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    forward_prefetch: int = 0,
+    reshard_after_forward: Any = True,
+    gradient_bytes: Any = None,
+    unsharded_gradient_bytes: Any = None,
+    accumulated_gradient_bytes: Any = None,
+    activation_bytes: Any = None,
+    post_forward_bytes: Any = None,
+    output_bytes: Any = None,
+    resident_bytes: int = 0,
+    accumulate: bool = False,
+    side_streams: bool = True,
 ) -> dict[str, int]:
-    """Peak bytes for groups run in order (see ``fsdp_rs._core.peak_memory``)."""
+    """Peak bytes of one training step (see ``fsdp_rs._core.peak_memory`` and
+    [Note: Memory model]): every moment of the step written out as the sum of
+    what is live then, one group at a time."""
     named = {
         "sharded_bytes": sharded_bytes,
         "all_gather_bytes": all_gather_bytes,
@@ -446,38 +458,127 @@ def peak_memory(
         "reduce_scatter_input_bytes": reduce_scatter_input_bytes,
         "reduce_scatter_output_bytes": reduce_scatter_output_bytes,
     }
-    arrays = [_int_list(v, k) for k, v in named.items()]
-    k = _int(prefetch, "prefetch")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    num_groups = len(arrays[0])
-    for name, values in zip(named, arrays, strict=True):
-        if len(values) != num_groups:
-            raise ValueError(f"{name} has {len(values)} groups, sharded_bytes has {num_groups}")
+    arrays = {k: _int_list(v, k) for k, v in named.items()}
+    n = len(arrays["sharded_bytes"])
+    optional = {
+        "gradient_bytes": (gradient_bytes, arrays["reduce_scatter_output_bytes"]),
+        "unsharded_gradient_bytes": (unsharded_gradient_bytes, arrays["unsharded_bytes"]),
+        "accumulated_gradient_bytes": (accumulated_gradient_bytes, None),
+        "activation_bytes": (activation_bytes, [0] * n),
+        "post_forward_bytes": (post_forward_bytes, [0] * n),
+        "output_bytes": (output_bytes, [0] * n),
+    }
+    for name, (given, default) in optional.items():
+        if default is None:  # accumulated gradients: the unsharded gradients' size
+            default = arrays["unsharded_gradient_bytes"]
+        arrays[name] = default if given is None else _int_list(given, name)
+    k, kf = _int(prefetch, "prefetch"), _int(forward_prefetch, "forward_prefetch")
+    resident = _int(resident_bytes, "resident_bytes")
+    for name, flag in (("accumulate", accumulate), ("side_streams", side_streams)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if isinstance(reshard_after_forward, bool):
+        resharded = [reshard_after_forward] * n
+    else:
+        if hasattr(reshard_after_forward, "tolist"):
+            reshard_after_forward = reshard_after_forward.tolist()
+        resharded = list(reshard_after_forward)
+        if not all(isinstance(r, bool) for r in resharded):
+            raise TypeError("reshard_after_forward must be a bool or a sequence of bools")
+        if len(resharded) != n:
+            raise ValueError(
+                f"reshard_after_forward has {len(resharded)} groups, sharded_bytes has {n}"
+            )
+    for name, values in arrays.items():
+        if len(values) != n:
+            raise ValueError(f"{name} has {len(values)} groups, sharded_bytes has {n}")
         if values and min(values) < 0:
             g = next(g for g, v in enumerate(values) if v < 0)
             raise ValueError(f"{name}[{g}] = {values[g]} < 0")
     if k < 0:
         raise ValueError(f"prefetch must be >= 0, got {k}")
-    sharded, ag, unsh, rs_in, rs_out = arrays
-    reshard = reshard_after_forward
+    if kf < 0:
+        raise ValueError(f"forward_prefetch must be >= 0, got {kf}")
+    if resident < 0:
+        raise ValueError(f"resident_bytes must be >= 0, got {resident}")
+    sharded, ag, unsh = (
+        arrays["sharded_bytes"],
+        arrays["all_gather_bytes"],
+        arrays["unsharded_bytes"],
+    )
+    rs_in, rs_out = arrays["reduce_scatter_input_bytes"], arrays["reduce_scatter_output_bytes"]
+    grad, ugrad = arrays["gradient_bytes"], arrays["unsharded_gradient_bytes"]
+    acc = arrays["accumulated_gradient_bytes"]
+    act, post, out = (
+        arrays["activation_bytes"],
+        arrays["post_forward_bytes"],
+        arrays["output_bytes"],
+    )
+    held = [post[g] if resharded[g] else unsh[g] for g in range(n)]  # forward to backward
 
-    def prefix(values: list[int]) -> list[int]:
-        out = [0] * (len(values) + 1)
-        for i, v in enumerate(values):
-            out[i + 1] = out[i] + v
-        return out
+    def total(values: list[int], groups: range) -> int:
+        return sum(values[j] for j in groups)
 
-    ag_pre, unsh_pre, sharded_pre = prefix(ag), prefix(unsh), prefix(sharded)
-    persistent = sharded_pre[-1]
+    accumulated = total(acc, range(n)) if accumulate else 0  # from earlier micro-steps
     forward = backward = 0
-    for i in range(num_groups):
-        held = 0 if reshard else unsh_pre[i]  # earlier groups still unsharded
-        prefetched = ag_pre[min(i + k, num_groups - 1) + 1] - ag_pre[i + 1]
-        forward = max(forward, ag[i] + unsh[i] + prefetched + held)
-        gathering = ag[i] + ag_pre[i] - ag_pre[max(i - k, 0)] if reshard else 0
-        grads = sharded_pre[-1] - sharded_pre[i + 1]  # sharded grads of later groups
-        backward = max(backward, gathering + unsh[i] + rs_in[i] + rs_out[i] + grads + held)
+    for g in range(n):
+        before = total(act, range(g)) + total(held, range(g))
+        # With side streams an all-gather output lives until the next group's copy-out.
+        kept = ag[g] if side_streams else 0
+        previous = ag[g - 1] if g and side_streams else 0
+        ahead = total(ag, range(g + 1, min(g + kf, n - 1) + 1))
+        moments = [
+            before + previous + ag[g] + unsh[g] + ahead + accumulated,  # copy-out
+            before + act[g] + out[g] + unsh[g] + kept + ahead + accumulated,  # after compute
+        ]
+        forward = max(forward, *moments)
+    for g in reversed(range(n)):
+        live_acts = total(act, range(g + 1))
+        earlier = total(held, range(g))
+        in_flight = sum(ag[j] for j in range(max(g - k, 0), g) if resharded[j])
+        reduced = total(grad, range(g + 1, n))
+        previous_rs = rs_in[g + 1] if g + 1 < n else 0
+        if not side_streams:
+            # The last reduce-scatter input is freed after its collective; a group
+            # whose gradients fit in it gathers them into a buffer there, while
+            # autograd computes each (at most the group's gradients again).
+            previous_rs = ugrad[g] if ugrad[g] <= previous_rs else 0
+        synced_acc = total(acc, range(g + 1)) if accumulate else 0
+        # the gradients reduced: autograd's, or those accumulated so far
+        reducing = acc[g] if accumulate else ugrad[g]
+        # the gradient flowing in (the size of this group's output) and out
+        flowing = out[g] + (out[g - 1] if g else 0)
+        moments = [
+            # computing this group's gradients, synchronized step
+            live_acts
+            + earlier
+            + unsh[g]
+            + ugrad[g]
+            + in_flight
+            + previous_rs
+            + reduced
+            + synced_acc
+            + flowing,
+            # reducing them: this group resharded, the last reduce-scatter input
+            # freed; the gradients are dropped after the copy-in, before the output
+            live_acts
+            - act[g]
+            + earlier
+            + rs_in[g]
+            + max(reducing, rs_out[g])
+            + in_flight
+            + reduced
+            + synced_acc
+            - (acc[g] if accumulate else 0)
+            + flowing
+            - out[g],
+        ]
+        if accumulate:  # a micro-step without synchronization: nothing reduced yet
+            moments.append(
+                live_acts + earlier + unsh[g] + ugrad[g] + in_flight + accumulated + flowing
+            )
+        backward = max(backward, *moments)
+    persistent = total(sharded, range(n)) + resident
     peak = persistent + max(forward, backward)
     if peak > INT64_MAX:
         raise _overflow("peak bytes", peak)

@@ -11,21 +11,26 @@ factors), ``param_group`` (one planner call, buffers and parameters), ``unshard`
 ``state`` (module hooks, root and lazy init), ``plan_check`` (the ranks agree
 on what they planned, at lazy init), ``compile`` (what Dynamo must not trace),
 ``containers`` (tensors in module inputs and outputs), ``comms`` and
-``comm_api`` (custom collectives and the methods that set them) and ``api``
-(``fully_shard`` and ``FSDPModule``).
+``comm_api`` (custom collectives and the methods that set them), ``api``
+(``fully_shard`` and ``FSDPModule``) and ``memory_plan`` (a step's peak memory,
+predicted from the plans before it runs).
 """
 
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp_rs.runtime.comm_api import share_comm_ctx
+from fsdp_rs.runtime.memory_plan import Activations, predict_memory, saved_activation_bytes
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
+    "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
+    "predict_memory",
     "register_fsdp_forward_method",
+    "saved_activation_bytes",
     "share_comm_ctx",
 ]

@@ -56,8 +56,8 @@ pub enum PlanError {
         index: usize,
         value: i64,
     },
-    /// A negative prefetch depth (memory model).
-    Prefetch { prefetch: i64 },
+    /// A negative prefetch depth or resident byte count (memory model).
+    NegativeCount { name: &'static str, value: i64 },
 }
 
 impl fmt::Display for PlanError {
@@ -144,10 +144,9 @@ impl fmt::Display for PlanError {
                 f,
                 "{name}[{index}] is {value}; byte counts must be >= 0"
             ),
-            Self::Prefetch { prefetch } => write!(
-                f,
-                "prefetch must be >= 0 (groups all-gathered ahead), got {prefetch}"
-            ),
+            Self::NegativeCount { name, value } => {
+                write!(f, "{name} must be >= 0, got {value}")
+            }
         }
     }
 }

@@ -24,5 +24,5 @@ pub use error::{PlanError, Result};
 pub use fingerprint::Fingerprint;
 pub use flat::{FlatPlan, NOT_IN_SHARD};
 pub use group::{BufferBytes, GroupConfig, GroupPlan, DEFAULT_ALIGNMENT, DEFAULT_TILE_NUMEL};
-pub use memory::{peak_memory, GroupBytes, PeakMemory};
+pub use memory::{peak_memory, GroupBytes, PeakMemory, Schedule};
 pub use shapes::Shapes;

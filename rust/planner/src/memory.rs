@@ -1,20 +1,45 @@
-//! Peak-memory model for a sequence of parameter groups.
+//! Peak-memory model of one training step over a sequence of parameter groups.
 //!
 //! [Note: Memory model]
-//! Groups run in order in forward and in reverse in backward. The sharded
-//! parameters (`persistent`) are always resident. Transient bytes:
-//! - forward, at group `i`: its all-gather buffer and unsharded buffer (both
-//!   live during copy-out), the all-gather buffers of the next `prefetch`
-//!   groups (in flight), and, without `reshard_after_forward`, the unsharded
-//!   buffers of every earlier group;
-//! - backward, at group `i`: its unsharded buffer, its reduce-scatter input and
-//!   output, the sharded gradients of the groups already reduced (`j > i`),
-//!   and either (resharded after forward) its all-gather buffer plus the
-//!   all-gather buffers of the `prefetch` groups before it, or (not resharded)
-//!   the unsharded buffers of every earlier group, still resident from forward.
+//! Groups run in order in forward and in reverse in backward, FSDP2's schedule.
+//! Always live (`persistent`): the sharded parameters and `resident` bytes (the
+//! optimizer states, the inputs). On top of that the model takes the largest
+//! sum over these moments, per group `g`:
 //!
-//! `peak = persistent + max(forward, backward)`. The model ignores activations
-//! and allocator fragmentation; it bounds what FSDP itself holds.
+//! forward, at `g`'s copy-out and after its compute:
+//! - the activations saved by earlier groups, and what each earlier group holds
+//!   from its forward to its backward (its unsharded buffer when it does not
+//!   reshard after forward; its post-forward shard when it reshards to a
+//!   smaller world; nothing otherwise);
+//! - `g`'s all-gather and unsharded buffers, and the all-gather buffers of the
+//!   `forward_prefetch` groups after it;
+//! - with side streams (an accelerator), the previous group's all-gather
+//!   output, kept until this copy-out as FSDP2 keeps it on every device;
+//!   without them it is freed at its own copy-out;
+//! - after the compute, `g`'s own activations and its output;
+//! - when accumulating, every group's gradients accumulated in earlier micro-steps.
+//!
+//! backward, while `g` computes its gradients and while it reduces them:
+//! - the activations of `g` and the groups before it, the forward holdings of
+//!   the groups before it, and the sharded gradients of the groups after it
+//!   (already reduced);
+//! - the all-gather buffers of the `prefetch` groups before `g` that reshard
+//!   (in flight), and the gradient flowing in and out (`g`'s output and its
+//!   predecessor's);
+//! - computing: `g`'s unsharded parameters and gradients, plus the previous
+//!   group's reduce-scatter input, which FSDP2 frees only when `g` reduces
+//!   (with side streams); without them it is freed after its collective, and a
+//!   group whose gradients fit there gathers them into a buffer in its place
+//!   while autograd computes each (its gradients once more, at most);
+//! - reducing: `g`'s reduce-scatter input, and its unsharded gradients or,
+//!   once the copy-in has read and dropped them, its reduce-scatter output (its
+//!   unsharded parameters are freed first);
+//! - when accumulating: the accumulated gradients of the groups not yet
+//!   reduced and, in a micro-step without synchronization, every group's (in
+//!   the reduce dtype where accumulation widens them).
+//!
+//! `peak = persistent + max(forward, backward)`. Allocator rounding and
+//! fragmentation, and the transients inside one op, are not modeled.
 
 use crate::error::{PlanError, Result};
 
@@ -26,6 +51,36 @@ pub struct GroupBytes<'a> {
     pub unsharded: &'a [i64],
     pub reduce_scatter_input: &'a [i64],
     pub reduce_scatter_output: &'a [i64],
+    /// Sharded gradients kept after the reduction.
+    pub gradient: &'a [i64],
+    /// Gradients autograd produces for the unsharded parameters.
+    pub unsharded_gradient: &'a [i64],
+    /// Unsharded gradients kept between micro-steps (in the reduce dtype where
+    /// accumulation widens them).
+    pub accumulated_gradient: &'a [i64],
+    /// Saved for backward by the group's forward.
+    pub activation: &'a [i64],
+    /// Kept from forward to backward by a group resharded to a smaller world.
+    pub post_forward: &'a [i64],
+    /// The group's outputs (the size of the gradient flowing into its backward).
+    pub output: &'a [i64],
+}
+
+/// How the step runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule<'a> {
+    /// Groups all-gathered ahead in backward.
+    pub prefetch: i64,
+    /// Groups all-gathered ahead in forward.
+    pub forward_prefetch: i64,
+    /// Per group: resharded after forward (all-gathered again in backward).
+    pub reshard_after_forward: &'a [bool],
+    /// Bytes live for the whole step besides the sharded parameters.
+    pub resident: i64,
+    /// Gradients accumulate over micro-steps without synchronization.
+    pub accumulate: bool,
+    /// Collectives run on side streams (see the note).
+    pub side_streams: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,29 +101,21 @@ fn overflow() -> PlanError {
 /// `prefix[i] = sum(values[..i])`, `P + 1` entries. Sums run in i128 so that
 /// only the quantities the model reports must fit an i64, not every partial
 /// sum (2**63 bytes per group times 2**63 groups still fits an i128).
-fn prefix_sums(values: &[i64]) -> Vec<i128> {
-    let mut prefix = Vec::with_capacity(values.len() + 1);
+fn prefix_sums(values: impl IntoIterator<Item = i64>) -> Vec<i128> {
     let mut acc = 0i128;
-    prefix.push(acc);
-    for &v in values {
-        acc += i128::from(v);
-        prefix.push(acc);
-    }
-    prefix
+    std::iter::once(0)
+        .chain(values.into_iter().map(|v| {
+            acc += i128::from(v);
+            acc
+        }))
+        .collect()
 }
 
 fn to_i64(value: i128) -> Result<i64> {
     i64::try_from(value).map_err(|_| overflow())
 }
 
-pub fn peak_memory(
-    groups: GroupBytes<'_>,
-    prefetch: i64,
-    reshard_after_forward: bool,
-) -> Result<PeakMemory> {
-    if prefetch < 0 {
-        return Err(PlanError::Prefetch { prefetch });
-    }
+fn check(groups: &GroupBytes<'_>, schedule: &Schedule<'_>) -> Result<()> {
     let count = groups.sharded.len();
     let named = [
         ("sharded_bytes", groups.sharded),
@@ -76,6 +123,12 @@ pub fn peak_memory(
         ("unsharded_bytes", groups.unsharded),
         ("reduce_scatter_input_bytes", groups.reduce_scatter_input),
         ("reduce_scatter_output_bytes", groups.reduce_scatter_output),
+        ("gradient_bytes", groups.gradient),
+        ("unsharded_gradient_bytes", groups.unsharded_gradient),
+        ("accumulated_gradient_bytes", groups.accumulated_gradient),
+        ("activation_bytes", groups.activation),
+        ("post_forward_bytes", groups.post_forward),
+        ("output_bytes", groups.output),
     ];
     for (name, values) in named {
         if values.len() != count {
@@ -89,43 +142,119 @@ pub fn peak_memory(
             return Err(PlanError::NegativeBytes { name, index, value });
         }
     }
-    let ag = prefix_sums(groups.all_gather);
-    let unsharded = prefix_sums(groups.unsharded);
-    let sharded = prefix_sums(groups.sharded);
-    let at = |values: &[i64], i: usize| i128::from(values[i]);
-    let depth = usize::try_from(prefetch).unwrap_or(usize::MAX);
-    let still_unsharded = |i: usize| {
-        if reshard_after_forward {
-            0
+    if schedule.reshard_after_forward.len() != count {
+        return Err(PlanError::GroupLengths {
+            name: "reshard_after_forward",
+            expected: count,
+            got: schedule.reshard_after_forward.len(),
+        });
+    }
+    for (name, value) in [
+        ("prefetch", schedule.prefetch),
+        ("forward_prefetch", schedule.forward_prefetch),
+        ("resident_bytes", schedule.resident),
+    ] {
+        if value < 0 {
+            return Err(PlanError::NegativeCount { name, value });
+        }
+    }
+    Ok(())
+}
+
+pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<PeakMemory> {
+    check(&groups, &schedule)?;
+    let n = groups.sharded.len();
+    let resharded = schedule.reshard_after_forward;
+    let at = |values: &[i64], g: usize| i128::from(values[g]);
+    let held_of = |g: usize| {
+        if resharded[g] {
+            groups.post_forward[g]
         } else {
-            unsharded[i]
+            groups.unsharded[g]
         }
     };
+    let ag = prefix_sums(groups.all_gather.iter().copied());
+    let regathered = prefix_sums((0..n).map(|g| {
+        if resharded[g] {
+            groups.all_gather[g]
+        } else {
+            0
+        }
+    }));
+    let held = prefix_sums((0..n).map(held_of));
+    let acts = prefix_sums(groups.activation.iter().copied());
+    let grads = prefix_sums(groups.gradient.iter().copied());
+    let accs = prefix_sums(groups.accumulated_gradient.iter().copied());
+    let sharded = prefix_sums(groups.sharded.iter().copied());
+    let back = usize::try_from(schedule.prefetch).unwrap_or(usize::MAX);
+    let ahead = usize::try_from(schedule.forward_prefetch).unwrap_or(usize::MAX);
+    let (accumulate, side) = (schedule.accumulate, schedule.side_streams);
+    let accumulated = if accumulate { accs[n] } else { 0 };
 
     let mut forward = 0i128;
-    let mut backward = 0i128;
-    for i in 0..count {
-        let ahead_end = i.saturating_add(depth).min(count - 1) + 1;
-        let live = at(groups.all_gather, i)
-            + at(groups.unsharded, i)
-            + (ag[ahead_end] - ag[i + 1])
-            + still_unsharded(i);
-        forward = forward.max(live);
+    for g in 0..n {
+        let before = acts[g] + held[g];
+        let prefetched = ag[g.saturating_add(ahead).min(n - 1) + 1] - ag[g + 1];
+        let (previous, kept) = match (side, g) {
+            (false, _) => (0, 0),
+            (true, 0) => (0, at(groups.all_gather, g)),
+            (true, _) => (at(groups.all_gather, g - 1), at(groups.all_gather, g)),
+        };
+        let common = before + at(groups.unsharded, g) + prefetched + accumulated;
+        let copy_out = common + previous + at(groups.all_gather, g);
+        let computed = common + at(groups.activation, g) + at(groups.output, g) + kept;
+        forward = forward.max(copy_out).max(computed);
+    }
 
-        let gathering = if reshard_after_forward {
-            at(groups.all_gather, i) + (ag[i] - ag[i.saturating_sub(depth)])
+    let mut backward = 0i128;
+    for g in 0..n {
+        let ugrad = at(groups.unsharded_gradient, g);
+        let in_flight = regathered[g] - regathered[g.saturating_sub(back)];
+        let reduced = grads[n] - grads[g + 1];
+        let mut previous_rs = if g + 1 < n {
+            at(groups.reduce_scatter_input, g + 1)
         } else {
             0
         };
-        let live = gathering
-            + at(groups.unsharded, i)
-            + at(groups.reduce_scatter_input, i)
-            + at(groups.reduce_scatter_output, i)
-            + (sharded[count] - sharded[i + 1])
-            + still_unsharded(i);
-        backward = backward.max(live);
+        if !side {
+            previous_rs = if ugrad <= previous_rs { ugrad } else { 0 };
+        }
+        let not_reduced = if accumulate { accs[g + 1] } else { 0 };
+        // the gradients reduced: autograd's, or those accumulated so far
+        let reduced_now = if accumulate {
+            at(groups.accumulated_gradient, g)
+        } else {
+            ugrad
+        };
+        let flowing_out = if g > 0 { at(groups.output, g - 1) } else { 0 };
+        let base = acts[g] + held[g] + in_flight + flowing_out;
+        let computing = base
+            + at(groups.activation, g)
+            + at(groups.output, g)
+            + at(groups.unsharded, g)
+            + ugrad
+            + previous_rs
+            + reduced
+            + not_reduced;
+        // The gradients are dropped after the copy-in, before the output exists.
+        let reducing = base
+            + at(groups.reduce_scatter_input, g)
+            + reduced_now.max(at(groups.reduce_scatter_output, g))
+            + reduced
+            + not_reduced
+            - if accumulate { reduced_now } else { 0 };
+        backward = backward.max(computing).max(reducing);
+        if accumulate {
+            let unsynced = base
+                + at(groups.activation, g)
+                + at(groups.output, g)
+                + at(groups.unsharded, g)
+                + ugrad
+                + accumulated;
+            backward = backward.max(unsynced);
+        }
     }
-    let persistent = sharded[count];
+    let persistent = sharded[n] + i128::from(schedule.resident);
     Ok(PeakMemory {
         persistent: to_i64(persistent)?,
         forward: to_i64(forward)?,
@@ -138,83 +267,152 @@ pub fn peak_memory(
 mod tests {
     use super::*;
 
-    fn run(prefetch: i64, reshard: bool) -> PeakMemory {
-        let groups = GroupBytes {
+    const NONE: [i64; 3] = [0; 3];
+
+    fn groups<'a>(gradient: &'a [i64], activation: &'a [i64], output: &'a [i64]) -> GroupBytes<'a> {
+        GroupBytes {
             sharded: &[10, 20, 30],
             all_gather: &[80, 160, 240],
             unsharded: &[80, 160, 240],
             reduce_scatter_input: &[160, 320, 480],
             reduce_scatter_output: &[20, 40, 60],
-        };
-        peak_memory(groups, prefetch, reshard).unwrap()
+            gradient,
+            unsharded_gradient: &[80, 160, 240],
+            accumulated_gradient: &[80, 160, 240],
+            activation,
+            post_forward: &NONE,
+            output,
+        }
+    }
+
+    fn schedule(reshard: &[bool], side_streams: bool) -> Schedule<'_> {
+        Schedule {
+            prefetch: 1,
+            forward_prefetch: 0,
+            reshard_after_forward: reshard,
+            resident: 0,
+            accumulate: false,
+            side_streams,
+        }
     }
 
     #[test]
     fn forward_and_backward_peaks() {
-        let m = run(1, true);
+        let grads = [20, 40, 60];
+        let m = peak_memory(groups(&grads, &NONE, &NONE), schedule(&[true; 3], true)).unwrap();
         assert_eq!(m.persistent, 60);
-        // forward i=1: 160 + 160 + 240 (prefetch 2) = 560; i=2: 480.
-        assert_eq!(m.forward, 560);
-        // backward i=2: 240 + 160 + 240 + 480 + 60 = 1180.
-        assert_eq!(m.backward, 1180);
-        assert_eq!(m.peak, 1240);
-        let m = run(0, false);
-        // forward i=2: 240 + 240 + 80 + 160 = 720.
-        assert_eq!(m.forward, 720);
-        // backward i=2: 240 + 480 + 60 + 240 = 1020; i=1: 160 + 320 + 40 + 30 + 80 = 630.
-        assert_eq!(m.backward, 1020);
+        // forward g=2: previous ag 160 + ag 240 + unsharded 240 = 640.
+        assert_eq!(m.forward, 640);
+        // backward computing g=1: in flight 80 + unsharded 160 + gradients 160
+        // + reduce-scatter input of g=2 480 + reduced 60 = 940; reducing g=2:
+        // in flight 160 + 480 + its gradients 240 (dropped before the output) = 880.
+        assert_eq!(m.backward, 940);
+        assert_eq!(m.peak, 1000);
+        // Without side streams: no previous all-gather output in forward (480),
+        // and g=1 gathers its 160 bytes of gradients where the 480 were (620),
+        // so reducing g=2 is the peak.
+        let m = peak_memory(groups(&grads, &NONE, &NONE), schedule(&[true; 3], false)).unwrap();
+        assert_eq!(m.forward, 480);
+        assert_eq!(m.backward, 880);
+    }
+
+    #[test]
+    fn activations_holdings_and_accumulation() {
+        let acts = [5, 6, 7];
+        let outs = [1, 2, 3];
+        let reshard = [false, true, true];
+        let g = groups(&[20, 40, 60], &acts, &outs);
+        let m = peak_memory(g, schedule(&reshard, true)).unwrap();
+        // forward g=2 copy-out: acts 11 + held 80 + previous 160 + 240 + 240 = 731.
+        assert_eq!(m.forward, 731);
+        // backward reducing g=2: acts 11 + held 80 + in flight 160 + out of g=1 2
+        // + 480 + 240 = 973.
+        assert_eq!(m.backward, 973);
+        let acc = Schedule {
+            accumulate: true,
+            resident: 7,
+            ..schedule(&reshard, true)
+        };
+        let m = peak_memory(g, acc).unwrap();
+        assert_eq!(m.persistent, 67);
+        // every unsharded gradient (480) is held through later micro-steps.
+        assert_eq!(m.forward, 731 + 480);
+        // a micro-step without sync, g=2: acts 18 + held 80 + in flight 160 +
+        // outputs 5 + 240 + fresh gradients 240 + accumulated 480 = 1223.
+        assert_eq!(m.backward, 1223);
     }
 
     #[test]
     fn rejects_bad_input() {
-        let bad = GroupBytes {
-            sharded: &[1],
+        let grads = [1, 2, 3];
+        let ok = groups(&grads, &NONE, &NONE);
+        let sched = schedule(&[true; 3], true);
+        let short = GroupBytes {
             all_gather: &[1, 2],
-            unsharded: &[1],
-            reduce_scatter_input: &[1],
-            reduce_scatter_output: &[1],
-        };
-        assert!(matches!(
-            peak_memory(bad, 1, true),
-            Err(PlanError::GroupLengths { .. })
-        ));
-        let neg = GroupBytes {
-            all_gather: &[-1],
-            ..bad
-        };
-        assert!(matches!(
-            peak_memory(neg, 1, true),
-            Err(PlanError::NegativeBytes { .. })
-        ));
-        let ok = GroupBytes {
-            all_gather: &[1],
-            ..bad
-        };
-        assert!(matches!(
-            peak_memory(ok, -1, true),
-            Err(PlanError::Prefetch { .. })
-        ));
-        let huge = GroupBytes {
-            sharded: &[i64::MAX],
-            unsharded: &[1],
             ..ok
         };
         assert!(matches!(
-            peak_memory(huge, 1, true),
+            peak_memory(short, sched),
+            Err(PlanError::GroupLengths { .. })
+        ));
+        let neg = GroupBytes {
+            activation: &[0, -1, 0],
+            ..ok
+        };
+        assert!(matches!(
+            peak_memory(neg, sched),
+            Err(PlanError::NegativeBytes { .. })
+        ));
+        assert!(matches!(
+            peak_memory(ok, schedule(&[true; 2], true)),
+            Err(PlanError::GroupLengths { .. })
+        ));
+        for bad in [
+            Schedule {
+                prefetch: -1,
+                ..sched
+            },
+            Schedule {
+                forward_prefetch: -1,
+                ..sched
+            },
+            Schedule {
+                resident: -1,
+                ..sched
+            },
+        ] {
+            assert!(matches!(
+                peak_memory(ok, bad),
+                Err(PlanError::NegativeCount { .. })
+            ));
+        }
+        let huge = GroupBytes {
+            sharded: &[i64::MAX, 1, 0],
+            ..ok
+        };
+        assert!(matches!(
+            peak_memory(huge, sched),
             Err(PlanError::Overflow { .. })
         ));
     }
 
     #[test]
     fn no_groups_no_memory() {
+        let e: &[i64] = &[];
         let empty = GroupBytes {
-            sharded: &[],
-            all_gather: &[],
-            unsharded: &[],
-            reduce_scatter_input: &[],
-            reduce_scatter_output: &[],
+            sharded: e,
+            all_gather: e,
+            unsharded: e,
+            reduce_scatter_input: e,
+            reduce_scatter_output: e,
+            gradient: e,
+            unsharded_gradient: e,
+            accumulated_gradient: e,
+            activation: e,
+            post_forward: e,
+            output: e,
         };
-        let m = peak_memory(empty, 2, true).unwrap();
+        let m = peak_memory(empty, schedule(&[], true)).unwrap();
         assert_eq!((m.persistent, m.forward, m.backward, m.peak), (0, 0, 0, 0));
     }
 }

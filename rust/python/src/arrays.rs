@@ -5,6 +5,7 @@ use numpy::ndarray::ArrayView1;
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 
 /// Copy a 1-D int64 NumPy array (any strides) into a Vec; anything else is a
 /// TypeError that says what to pass. Copying lets planning run without the GIL
@@ -25,6 +26,22 @@ pub fn int64_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
         "{name} must be a 1-D numpy array of dtype int64, got {found}: convert it with \
          numpy.asarray({name}, dtype=numpy.int64).ravel() (fsdp_rs.planning.shapes_to_arrays \
          builds ndims and dims from a list of shapes)"
+    )))
+}
+
+/// One bool per group: a Python bool repeated `count` times, or a 1-D NumPy
+/// bool array (any strides); anything else is a TypeError that says what to pass.
+pub fn bool_vec(obj: &Bound<'_, PyAny>, count: usize, name: &str) -> PyResult<Vec<bool>> {
+    if let Ok(flag) = obj.cast::<PyBool>() {
+        return Ok(vec![flag.is_true(); count]);
+    }
+    if let Ok(array) = obj.cast::<PyArray1<bool>>() {
+        return Ok(array.readonly().as_array().iter().copied().collect());
+    }
+    Err(PyTypeError::new_err(format!(
+        "{name} must be a bool or a 1-D numpy array of dtype bool (one per group), got {}: \
+         convert it with numpy.asarray({name}, dtype=bool)",
+        obj.get_type().name()?
     )))
 }
 

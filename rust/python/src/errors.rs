@@ -26,7 +26,7 @@ pub fn to_py_err(err: PlanError) -> PyErr {
         | PlanError::AlignedNumel { .. }
         | PlanError::GroupLengths { .. }
         | PlanError::NegativeBytes { .. }
-        | PlanError::Prefetch { .. } => PyValueError::new_err(err.to_string()),
+        | PlanError::NegativeCount { .. } => PyValueError::new_err(err.to_string()),
     }
 }
 

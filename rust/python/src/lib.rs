@@ -5,7 +5,7 @@ mod arrays;
 mod errors;
 mod plans;
 
-use arrays::int64_vec;
+use arrays::{bool_vec, int64_vec};
 use errors::run_planner;
 use fsdp_rs_planner as planner;
 use plans::{FlatPlan, GroupPlan};
@@ -73,11 +73,14 @@ fn plan_flat(
     Ok(FlatPlan { plan })
 }
 
-/// Peak bytes for groups run in order (see `_core.pyi`).
+/// Peak bytes of one training step (see `_core.pyi`).
 #[pyfunction]
 #[pyo3(signature = (
     sharded_bytes, all_gather_bytes, unsharded_bytes, reduce_scatter_input_bytes,
-    reduce_scatter_output_bytes, *, prefetch = 1, reshard_after_forward = true,
+    reduce_scatter_output_bytes, *, prefetch = 1, forward_prefetch = 0,
+    reshard_after_forward = None, gradient_bytes = None, unsharded_gradient_bytes = None,
+    accumulated_gradient_bytes = None, activation_bytes = None, post_forward_bytes = None, output_bytes = None,
+    resident_bytes = 0, accumulate = false, side_streams = true,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn peak_memory<'py>(
@@ -88,21 +91,69 @@ fn peak_memory<'py>(
     reduce_scatter_input_bytes: &Bound<'py, PyAny>,
     reduce_scatter_output_bytes: &Bound<'py, PyAny>,
     prefetch: i64,
-    reshard_after_forward: bool,
+    forward_prefetch: i64,
+    reshard_after_forward: Option<&Bound<'py, PyAny>>,
+    gradient_bytes: Option<&Bound<'py, PyAny>>,
+    unsharded_gradient_bytes: Option<&Bound<'py, PyAny>>,
+    accumulated_gradient_bytes: Option<&Bound<'py, PyAny>>,
+    activation_bytes: Option<&Bound<'py, PyAny>>,
+    post_forward_bytes: Option<&Bound<'py, PyAny>>,
+    output_bytes: Option<&Bound<'py, PyAny>>,
+    resident_bytes: i64,
+    accumulate: bool,
+    side_streams: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let sharded = int64_vec(sharded_bytes, "sharded_bytes")?;
     let all_gather = int64_vec(all_gather_bytes, "all_gather_bytes")?;
     let unsharded = int64_vec(unsharded_bytes, "unsharded_bytes")?;
     let rs_in = int64_vec(reduce_scatter_input_bytes, "reduce_scatter_input_bytes")?;
     let rs_out = int64_vec(reduce_scatter_output_bytes, "reduce_scatter_output_bytes")?;
+    let n = sharded.len();
+    let or = |given: Option<&Bound<'py, PyAny>>, name: &str, default: &[i64]| match given {
+        Some(obj) => int64_vec(obj, name),
+        None => Ok(default.to_vec()),
+    };
+    let zeros = vec![0; n];
+    let gradient = or(gradient_bytes, "gradient_bytes", &rs_out)?;
+    let ugrad = or(
+        unsharded_gradient_bytes,
+        "unsharded_gradient_bytes",
+        &unsharded,
+    )?;
+    let accumulated = or(
+        accumulated_gradient_bytes,
+        "accumulated_gradient_bytes",
+        &ugrad,
+    )?;
+    let activation = or(activation_bytes, "activation_bytes", &zeros)?;
+    let post_forward = or(post_forward_bytes, "post_forward_bytes", &zeros)?;
+    let output = or(output_bytes, "output_bytes", &zeros)?;
+    let reshard = match reshard_after_forward {
+        None => vec![true; n],
+        Some(obj) => bool_vec(obj, n, "reshard_after_forward")?,
+    };
     let groups = planner::GroupBytes {
         sharded: &sharded,
         all_gather: &all_gather,
         unsharded: &unsharded,
         reduce_scatter_input: &rs_in,
         reduce_scatter_output: &rs_out,
+        gradient: &gradient,
+        unsharded_gradient: &ugrad,
+        accumulated_gradient: &accumulated,
+        activation: &activation,
+        post_forward: &post_forward,
+        output: &output,
     };
-    let peak = run_planner(|| planner::peak_memory(groups, prefetch, reshard_after_forward))?;
+    let schedule = planner::Schedule {
+        prefetch,
+        forward_prefetch,
+        reshard_after_forward: &reshard,
+        resident: resident_bytes,
+        accumulate,
+        side_streams,
+    };
+    let peak = run_planner(|| planner::peak_memory(groups, schedule))?;
     let out = PyDict::new(py);
     out.set_item("persistent", peak.persistent)?;
     out.set_item("forward", peak.forward)?;

@@ -1,0 +1,159 @@
+"""``fsdp_rs.predict_memory`` and ``fsdp_rs.saved_activation_bytes``: the
+per-group inputs they read from a sharded model and the errors they raise.
+(That the prediction is within 5% of the measured peak: ``test_memory.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_rs
+from fsdp_rs import Activations, fully_shard, predict_memory, saved_activation_bytes
+from fsdp_rs.planning import reference
+from fsdp_rs.runtime.memory_plan import group_memory
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield init_device_mesh("cpu", (4,))
+    dist.destroy_process_group()
+
+
+def _mlp(dim: int = 64, layers: int = 3, device: str = "cpu") -> nn.Sequential:
+    with torch.device(device):
+        return nn.Sequential(
+            *[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)]
+        )
+
+
+def test_saved_activation_bytes_counts_each_storage_once_per_block():
+    model = _mlp(layers=3, device="meta")
+    x = torch.empty(8, 64, device="meta")
+    got = saved_activation_bytes(model, list(model), x)
+    # Block 0's Linear saves the input (not counted) and its ReLU its output; the
+    # next Linear saves that same output again (counted once, for block 0).
+    assert got == {"0": Activations(8 * 64 * 4, 8 * 64 * 4)} | {
+        k: Activations(8 * 64 * 4, 8 * 64 * 4) for k in ("1", "2")
+    }
+    with torch.no_grad():
+        assert saved_activation_bytes(model, list(model), x) == {
+            k: Activations(0, 0) for k in ("0", "1", "2")
+        }
+    # Hooks are gone afterwards.
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_saved_activation_bytes_innermost_block_and_root():
+    model = _mlp(layers=2, device="meta")
+    x = torch.empty(4, 64, device="meta", requires_grad=True)
+    got = saved_activation_bytes(model, [model, model[1]], x)
+    # The root gets what block 1 does not claim (block 0's ReLU output).
+    assert got == {
+        "": Activations(4 * 64 * 4, 4 * 64 * 4),
+        "1": Activations(4 * 64 * 4, 4 * 64 * 4),
+    }
+    with pytest.raises(ValueError, match="submodules"):
+        saved_activation_bytes(model, [nn.Linear(1, 1)], x)
+
+
+def test_group_memory_reads_the_plans(mesh):
+    model = _mlp(layers=3)
+    model[0][0].weight.requires_grad_(False)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[1], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    columns = group_memory(model)
+    assert columns["fqns"] == [("0",), ("1",), ("2",)]  # the root has no parameters
+    assert columns["reshard_after_forward"] == [True, False, True]
+    padded = 64 * 64 + 64  # both divide by 4: no padding
+    assert columns["all_gather_bytes"] == [4 * padded] * 3
+    assert columns["sharded_bytes"] == [padded] * 3
+    # Only block 0's bias trains: its gradients are 64 floats, a quarter each rank.
+    assert columns["unsharded_gradient_bytes"] == [4 * 64, 4 * padded, 4 * padded]
+    assert columns["gradient_bytes"] == [64, padded, padded]
+    # reshard_after_forward=2 on 4 ranks keeps half of the rows.
+    assert columns["post_forward_bytes"] == [0, 0, 2 * padded]
+
+
+def test_predict_memory_is_the_planner_on_those_inputs(mesh):
+    model = _mlp(layers=3)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acts = {"0": Activations(100, 10), "1": 200, "2": Activations(300, 30)}
+    got = predict_memory(model, activations=acts, resident_bytes=7, accumulate=True)
+    columns = group_memory(model)
+    del columns["fqns"]
+    raf = columns.pop("reshard_after_forward")
+    want = reference.peak_memory(
+        *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
+        columns.pop("reduce_scatter_input_bytes"),
+        columns.pop("reduce_scatter_output_bytes"),
+        reshard_after_forward=raf,
+        activation_bytes=[100, 200, 300],
+        output_bytes=[10, 0, 30],
+        resident_bytes=7,
+        accumulate=True,
+        side_streams=False,  # CPU: no side streams
+        **columns,
+    )
+    assert got == want
+    assert got["persistent"] == 3 * (64 * 64 + 64) + 7
+    # Activations of the root (a fully_shard module without parameters) are
+    # live for the whole step.
+    more = predict_memory(model, activations={"": 1000})
+    assert more["persistent"] == predict_memory(model)["persistent"] + 1000
+
+
+def test_predict_memory_before_and_after_the_first_step_agree(mesh):
+    model = _mlp(layers=2)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = predict_memory(model)
+    model(torch.randn(2, 64)).sum().backward()
+    assert predict_memory(model) == before
+
+
+def test_predict_memory_on_meta(mesh):
+    """Nothing allocated: a model sharded on the meta device is predicted too."""
+    model = _mlp(layers=2, device="meta")
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    on_cpu = _mlp(layers=2)
+    for block in on_cpu:
+        fully_shard(block, mesh=mesh)
+    fully_shard(on_cpu, mesh=mesh)
+    assert predict_memory(model) == predict_memory(on_cpu)
+
+
+def test_predict_memory_rejects_bad_input(mesh):
+    with pytest.raises(ValueError, match=r"not sharded with fsdp_rs\.fully_shard"):
+        predict_memory(_mlp())
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        predict_memory("model")
+    model = _mlp(layers=2)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match=r"'0\.0', which is not a fully_shard module"):
+        predict_memory(model, activations={"0.0": 4})
+    with pytest.raises(ValueError, match=r"activations\['0'\] must be an int >= 0"):
+        predict_memory(model, activations={"0": -1})
+    with pytest.raises(ValueError, match=r"activations\['1'\]"):
+        predict_memory(model, activations={"1": Activations(1, -1)})
+    with pytest.raises(ValueError, match="resident_bytes"):
+        predict_memory(model, resident_bytes=-1)
+
+
+def test_exported():
+    assert fsdp_rs.predict_memory is predict_memory
+    assert fsdp_rs.saved_activation_bytes is saved_activation_bytes
+    assert fsdp_rs.Activations is Activations
