@@ -91,6 +91,24 @@ def test_predicted_peak_within_5_percent(fake_pg, config, monkeypatch):
     )
 
 
+# fsdp_rs.demo's transformer: a root with parameters of its own (the tied
+# embedding), attention, and a loss whose backward peaks above the blocks'.
+TRANSFORMER = {"dim": 128, "layers": 2, "batch": 8, "steps": 2, "model": "transformer"}
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True, ids=["W4"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_predicted_peak_within_5_percent_transformer(fake_pg, config):
+    ours = measure("fsdp_rs", config, fake_pg, torch.device("cpu"), **TRANSFORMER)
+    theirs = measure("torch", config, fake_pg, torch.device("cpu"), **TRANSFORMER)
+    error = ours["predicted_peak"] / ours["peak"] - 1
+    assert abs(error) <= 0.05, (
+        f"{config}: predicted {ours['predicted_peak']} bytes, measured {ours['peak']} "
+        f"({error:+.2%})"
+    )
+    assert ours["peak"] <= max(theirs["peak"] * 1.01, theirs["peak"] + MiB)
+
+
 @pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])
 def test_zero_grad_set_to_none_frees_gradients(fake_pg):
     """After zero_grad() no gradient memory is held; with set_to_none=False the

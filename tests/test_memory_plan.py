@@ -1,4 +1,4 @@
-"""``fsdp_rs.predict_memory`` and ``fsdp_rs.saved_activation_bytes``: the
+"""``fsdp_rs.predict_memory`` and ``fsdp_rs.activation_profile``: the
 per-group inputs they read from a sharded model and the errors they raise.
 (That the prediction is within 5% of the measured peak: ``test_memory.py``.)"""
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_rs
-from fsdp_rs import Activations, fully_shard, predict_memory, saved_activation_bytes
+from fsdp_rs import ActivationProfile, Activations, activation_profile, fully_shard, predict_memory
 from fsdp_rs.planning import reference
 from fsdp_rs.runtime.memory_plan import group_memory
 
@@ -31,34 +32,60 @@ def _mlp(dim: int = 64, layers: int = 3, device: str = "cpu") -> nn.Sequential:
         )
 
 
-def test_saved_activation_bytes_counts_each_storage_once_per_block():
+def test_activation_profile_counts_each_storage_once_per_block():
     model = _mlp(layers=3, device="meta")
     x = torch.empty(8, 64, device="meta")
-    got = saved_activation_bytes(model, list(model), x)
+    got = activation_profile(model, list(model), x)
     # Block 0's Linear saves the input (not counted) and its ReLU its output; the
     # next Linear saves that same output again (counted once, for block 0).
-    assert got == {"0": Activations(8 * 64 * 4, 8 * 64 * 4)} | {
-        k: Activations(8 * 64 * 4, 8 * 64 * 4) for k in ("1", "2")
-    }
+    one = Activations(8 * 64 * 4, 8 * 64 * 4)
+    assert got == ActivationProfile({k: one for k in ("0", "1", "2")}, 0)
     with torch.no_grad():
-        assert saved_activation_bytes(model, list(model), x) == {
-            k: Activations(0, 0) for k in ("0", "1", "2")
-        }
+        none = activation_profile(model, list(model), x)
+    assert none == ActivationProfile({k: Activations(0, 0) for k in ("0", "1", "2")}, 0)
     # Hooks are gone afterwards.
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def test_saved_activation_bytes_innermost_block_and_root():
+def test_activation_profile_innermost_block_and_root():
     model = _mlp(layers=2, device="meta")
     x = torch.empty(4, 64, device="meta", requires_grad=True)
-    got = saved_activation_bytes(model, [model, model[1]], x)
+    got = activation_profile(model, [model, model[1]], x).blocks
     # The root gets what block 1 does not claim (block 0's ReLU output).
-    assert got == {
-        "": Activations(4 * 64 * 4, 4 * 64 * 4),
-        "1": Activations(4 * 64 * 4, 4 * 64 * 4),
-    }
+    one = Activations(4 * 64 * 4, 4 * 64 * 4)
+    assert got == {"": one, "1": one}
     with pytest.raises(ValueError, match="submodules"):
-        saved_activation_bytes(model, [nn.Linear(1, 1)], x)
+        activation_profile(model, [nn.Linear(1, 1)], x)
+
+
+def test_activation_profile_of_the_loss():
+    """``loss``: from the outputs to the first block's backward, the peak of what
+    the loss and the backward hold, the outputs included; the same on a fake
+    CPU copy and a meta one for a model whose kernels do not depend on the
+    device; nothing allocated."""
+    logits = 8 * 1000 * 4
+
+    def build(device: str):
+        with torch.device(device):
+            model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1000))
+        return model, torch.empty(8, 64, device=device)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    model, x = build("meta")
+    blocks = [model[0]]
+    got = activation_profile(model, blocks, x, loss_fn=loss_fn)
+    # The logits (not saved by a block), pow's output and its gradient at least;
+    # model[2] runs its backward in this window too (a 8x64 input gradient and
+    # the weight gradients, 1000x64 + 1000 floats).
+    assert 3 * logits <= got.loss <= 6 * logits + 4 * (1000 * 64 + 1000 + 8 * 64)
+    # model[0] saves only the input (not counted); the ReLU after it is no block's.
+    assert got.blocks == {"0": Activations(0, 8 * 64 * 4)}
+    assert activation_profile(model, blocks, x).loss == 0
+    with FakeTensorMode():
+        model, x = build("cpu")
+        assert activation_profile(model, [model[0]], x, loss_fn=loss_fn) == got
 
 
 def test_group_memory_reads_the_plans(mesh):
@@ -88,6 +115,8 @@ def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     fully_shard(model, mesh=mesh)
     acts = {"0": Activations(100, 10), "1": 200, "2": Activations(300, 30)}
     got = predict_memory(model, activations=acts, resident_bytes=7, accumulate=True)
+    profile = ActivationProfile({"0": Activations(100, 10), "1": Activations(200, 0)}, 55)
+    with_loss = predict_memory(model, activations=profile)
     columns = group_memory(model)
     del columns["fqns"]
     raf = columns.pop("reshard_after_forward")
@@ -105,6 +134,19 @@ def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     )
     assert got == want
     assert got["persistent"] == 3 * (64 * 64 + 64) + 7
+    # An ActivationProfile's loss bytes go to the planner's loss_bytes.
+    columns = group_memory(model)
+    del columns["fqns"], columns["reshard_after_forward"]
+    assert with_loss == reference.peak_memory(
+        *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
+        columns.pop("reduce_scatter_input_bytes"),
+        columns.pop("reduce_scatter_output_bytes"),
+        activation_bytes=[100, 200, 0],
+        output_bytes=[10, 0, 0],
+        loss_bytes=55,
+        side_streams=False,
+        **columns,
+    )
     # Activations of the root (a fully_shard module without parameters) are
     # live for the whole step.
     more = predict_memory(model, activations={"": 1000})
@@ -155,5 +197,6 @@ def test_predict_memory_rejects_bad_input(mesh):
 
 def test_exported():
     assert fsdp_rs.predict_memory is predict_memory
-    assert fsdp_rs.saved_activation_bytes is saved_activation_bytes
+    assert fsdp_rs.activation_profile is activation_profile
     assert fsdp_rs.Activations is Activations
+    assert fsdp_rs.ActivationProfile is ActivationProfile

@@ -229,6 +229,7 @@ def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, flags, re
         accumulate=flags[0],
         side_streams=flags[1],
         resident_bytes=resident,
+        loss_bytes=resident,
     )
     want = _outcome(ref.peak_memory, *args, **kwargs)
     got = _outcome(core.peak_memory, *args, **kwargs)
@@ -601,6 +602,7 @@ def test_rust_peak_memory_matches_reference(groups, prefetch, forward_prefetch, 
         accumulate=flags[0],
         side_streams=flags[1],
         resident_bytes=resident,
+        loss_bytes=resident // 3,
     )
     assert dict(core.peak_memory(*args, **kwargs)) == ref.peak_memory(*args, **kwargs)
     # The optional arrays' defaults.
@@ -647,12 +649,15 @@ def _example(**kwargs):
             },
             (67, 1211, 1223),
         ),
+        # the loss: g=0 kept unsharded 80 + the last all-gather output 240 + 1000
+        # (forward g=2: 80 + 160 + 240 + 240)
+        ({"loss_bytes": 1000, "reshard_after_forward": [False, True, True]}, (60, 720, 1320)),
         # resharded to a smaller world, each group keeps 40 bytes from forward:
         # forward g=2 80 + 160 + 240 + 240 (g=1: 40 + 80 + 160 + 160 + 240
         # prefetched); backward g=1 computing 40 + 80 + 160 + 160 + 480 + 60.
         ({"post_forward_bytes": [40, 40, 40], "forward_prefetch": 1}, (60, 720, 980)),
     ],
-    ids=["side-streams", "no-side-streams", "activations", "accumulate", "post-forward"],
+    ids=["side-streams", "no-side-streams", "activations", "accumulate", "loss", "post-forward"],
 )
 def test_peak_memory_worked_examples(planner, kwargs, want):
     args, kwargs = _example(**kwargs)
@@ -699,7 +704,7 @@ def test_peak_memory_rejects_bad_input(planner):
             planner.peak_memory(*ok, **{name: np.array([1], dtype=np.int64)})
     with pytest.raises(ValueError, match="reshard_after_forward"):
         planner.peak_memory(*ok, reshard_after_forward=np.array([True, False]))
-    for name in ("prefetch", "forward_prefetch", "resident_bytes"):
+    for name in ("prefetch", "forward_prefetch", "resident_bytes", "loss_bytes"):
         with pytest.raises(ValueError, match=name):
             planner.peak_memory(*ok, **{name: -1})
     huge = [np.array([2**62, 2**62], dtype=np.int64)] * 5

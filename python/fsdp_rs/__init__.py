@@ -9,16 +9,17 @@ from fsdp_rs._core import __version__
 from fsdp_rs.planning import FlatPlan, GroupPlan, peak_memory, plan_flat, plan_group
 
 _RUNTIME = (
+    "ActivationProfile",
     "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "activation_profile",
     "fully_shard",
     "predict_memory",
     "register_fsdp_forward_method",
-    "saved_activation_bytes",
     "share_comm_ctx",
 )
 

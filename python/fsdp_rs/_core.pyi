@@ -203,6 +203,7 @@ def peak_memory(
     post_forward_bytes: Int64Array | None = None,
     output_bytes: Int64Array | None = None,
     resident_bytes: int = 0,
+    loss_bytes: int = 0,
     accumulate: bool = False,
     side_streams: bool = True,
 ) -> dict[str, int]:

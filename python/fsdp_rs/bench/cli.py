@@ -462,7 +462,8 @@ def _add_memory(subparsers) -> None:
         "memory",
         help="memory per phase of a training step, fsdp-rs vs torch FSDP2",
         description=(
-            "Train the same MLP (one fully_shard per block plus the root, AdamW) under "
+            "Train the same model (an MLP or a transformer; one fully_shard per block plus "
+            "the root, AdamW) under "
             "fsdp-rs and under torch FSDP2 in one process and print the memory of the "
             "last step per phase (after init, forward, peak, optimizer step, zero_grad) "
             "side by side. CPU: a fake process group (rank 0 of W) and MemTracker; "
@@ -475,6 +476,13 @@ def _add_memory(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dim", type=int, default=1024, help="layer width (default: 1024)")
     p.add_argument("--layers", type=int, default=4, help="blocks (default: 4)")
+    p.add_argument(
+        "--model",
+        choices=("mlp", "transformer"),
+        default="mlp",
+        help="blocks of Linear + ReLU, or fsdp_rs.demo's transformer (vocabulary 1024, "
+        "64 tokens a sequence, dim // 64 heads) (default: mlp)",
+    )
     p.add_argument("--config", action="append", help="one of the configs; repeat (default: all)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.set_defaults(run=_run_memory, parser=p)
@@ -500,7 +508,9 @@ def _run_memory(args: argparse.Namespace) -> int:
     names = args.config or [n for n, (w, _) in CONFIGS.items() if w <= args.world_size]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     try:
-        recs = records(args.world_size, device, names, dim=args.dim, layers=args.layers)
+        recs = records(
+            args.world_size, device, names, dim=args.dim, layers=args.layers, model=args.model
+        )
     finally:
         dist.destroy_process_group()
     print(f"memory: {recs[0]['model']}, W={args.world_size} (rank 0), {device.type}, MiB")

@@ -47,30 +47,73 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 
 
-def _model(dim: int, layers: int) -> nn.Module:
+MODELS = ("mlp", "transformer")
+VOCAB, SEQ = 1024, 64  # the transformer's vocabulary and sequence length
+
+
+def _model(name: str, dim: int, layers: int) -> nn.Module:
+    """``mlp``: blocks of Linear + ReLU. ``transformer``: the demo's (embedding
+    tied to the output, pre-norm blocks of attention and MLP, ``dim // 64``
+    heads)."""
     torch.manual_seed(0)
+    if name == "transformer":
+        from fsdp_rs.demo import Transformer
+
+        return Transformer(VOCAB, dim, layers, max(1, dim // 64))
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
 
 
-def _activations(options: dict, dim: int, layers: int, batch: int) -> dict:
-    """What a forward of the model saves per block, counted on a ``meta`` copy
-    in the compute dtype (nothing allocated; before the meter starts, which
-    would count meta tensors)."""
-    from fsdp_rs.runtime.memory_plan import saved_activation_bytes
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return list(getattr(model, "blocks", model))
+
+
+def _freeze_weights(model: nn.Module) -> None:
+    """LoRA's shape: every matrix of every block frozen, the rest trained."""
+    for block in _blocks(model):
+        for p in block.parameters():
+            if p.ndim >= 2:
+                p.requires_grad_(False)
+
+
+def _input(name: str, dim: int, batch: int, device: torch.device, dtype=torch.float32):
+    if name == "transformer":
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, VOCAB, (batch, SEQ), generator=g).to(device)
+    return torch.randn(batch, dim, device=device, dtype=dtype)
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+def _activations(name: str, options: dict, dim: int, layers: int, batch: int, device):
+    """What a forward and the loss leave for backward (``activation_profile``),
+    measured on a copy built under
+    ``FakeTensorMode`` for the measured device, in the compute dtype: the same
+    kernels as the real run (a ``meta`` copy may pick another attention), and
+    nothing allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_rs.runtime.activation_profile import activation_profile
 
     dtype = torch.bfloat16 if options.get("mp") else torch.float32
-    with torch.device("meta"):
-        copy = _model(dim, layers).to(dtype)
-        x = torch.empty(batch, dim, dtype=dtype)
-    if options.get("frozen_weights"):
-        for block in copy:
-            block[0].weight.requires_grad_(False)
-    return saved_activation_bytes(copy, list(copy), x)
+    default = torch.get_default_dtype()
+    with FakeTensorMode(), torch.device(device):
+        torch.set_default_dtype(dtype)  # built in place: .to() cannot swap tied fakes
+        try:
+            copy = _model(name, dim, layers)
+        finally:
+            torch.set_default_dtype(default)
+        if options.get("frozen_weights"):
+            _freeze_weights(copy)
+        x = _input(name, dim, batch, device, dtype)
+        return activation_profile(copy, [*_blocks(copy), copy], x, loss_fn=_loss)
 
 
-def _predict(model: nn.Module, options: dict, activations: dict, input_bytes: int) -> int:
+def _predict(model: nn.Module, options: dict, activations, input_bytes: int) -> int:
     """The planner's predicted peak for one step of ``model`` (sharded with
-    fsdp-rs, not yet run)."""
+    fsdp-rs, not yet run): AdamW's states (two sharded copies of the trained
+    parameters, a step count each) and the input are resident."""
     from fsdp_rs.runtime.memory_plan import predict_memory
 
     trained = [p.to_local() for p in model.parameters() if p.requires_grad]
@@ -163,6 +206,7 @@ def measure(
     layers: int = 8,
     batch: int = 32,
     steps: int = 3,
+    model: str = "mlp",
 ) -> dict[str, int]:
     """Bytes per phase for one library (``"fsdp_rs"`` or ``"torch"``) in one
     config, the process group already initialized; for fsdp-rs also
@@ -183,24 +227,24 @@ def measure(
     if options.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     gc.collect()
-    activations = None
+    name, activations = model, None
     if library == "fsdp_rs":
         from fsdp_rs.kernels import _cpu_index
 
         _cpu_index.clear()
-        activations = _activations(options, dim, layers, batch)
+        activations = _activations(name, options, dim, layers, batch, device)
     with contextlib.ExitStack() as stack:
-        model = _model(dim, layers).to(device)
+        model = _model(name, dim, layers).to(device)
         if options.get("frozen_weights"):
-            for block in model:
-                block[0].weight.requires_grad_(False)
+            _freeze_weights(model)
         meter = stack.enter_context(_Meter(device, (model,)))
-        for block in model:
+        for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        x = _input(name, dim, batch, device)
         predicted = None
         if activations is not None:
-            predicted = _predict(model, options, activations, batch * dim * 4)
+            predicted = _predict(model, options, activations, x.nbytes)
         trained = [p for p in model.parameters() if p.requires_grad]
         if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
             from fsdp_rs.optim import FlatOptimizer
@@ -210,7 +254,6 @@ def measure(
             opt = torch.optim.AdamW(trained, lr=1e-3)
         if not meter.cuda:
             meter._tracker.track_external(model, opt)
-        x = torch.randn(batch, dim, device=device)
         micro = options.get("micro", 1)
         result: dict[str, int] = {"init": meter.current()}
         for _ in range(steps):
@@ -218,7 +261,7 @@ def measure(
             for k in range(micro):
                 model.set_requires_gradient_sync(k == micro - 1)
                 meter.before_forward()
-                loss = model(x).float().pow(2).mean()
+                loss = _loss(model(x))
                 result["forward"] = meter.current()
                 loss.backward()
                 del loss
@@ -236,6 +279,7 @@ def measure(
 def records(world_size: int, device: torch.device, configs: list[str], **sizes: Any) -> list:
     """One record per config and phase, both libraries measured in this process."""
     out = []
+    model = f"{sizes.get('model', 'mlp')} {sizes.get('layers', 8)}x{sizes.get('dim', 256)}"
     for config in configs:
         ours = measure("fsdp_rs", config, world_size, device, **sizes)
         theirs = measure("torch", config, world_size, device, **sizes)
@@ -244,7 +288,7 @@ def records(world_size: int, device: torch.device, configs: list[str], **sizes: 
             out.append(
                 {
                     "bench": "memory",
-                    "model": f"mlp {sizes.get('layers', 8)}x{sizes.get('dim', 256)}",
+                    "model": model,
                     "config": config,
                     "world_size": world_size,
                     "device": device.type,

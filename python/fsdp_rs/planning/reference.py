@@ -445,6 +445,7 @@ def peak_memory(
     post_forward_bytes: Any = None,
     output_bytes: Any = None,
     resident_bytes: int = 0,
+    loss_bytes: int = 0,
     accumulate: bool = False,
     side_streams: bool = True,
 ) -> dict[str, int]:
@@ -474,6 +475,7 @@ def peak_memory(
         arrays[name] = default if given is None else _int_list(given, name)
     k, kf = _int(prefetch, "prefetch"), _int(forward_prefetch, "forward_prefetch")
     resident = _int(resident_bytes, "resident_bytes")
+    loss = _int(loss_bytes, "loss_bytes")
     for name, flag in (("accumulate", accumulate), ("side_streams", side_streams)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -501,6 +503,8 @@ def peak_memory(
         raise ValueError(f"forward_prefetch must be >= 0, got {kf}")
     if resident < 0:
         raise ValueError(f"resident_bytes must be >= 0, got {resident}")
+    if loss < 0:
+        raise ValueError(f"loss_bytes must be >= 0, got {loss}")
     sharded, ag, unsh = (
         arrays["sharded_bytes"],
         arrays["all_gather_bytes"],
@@ -532,6 +536,9 @@ def peak_memory(
             before + act[g] + out[g] + unsh[g] + kept + ahead + accumulated,  # after compute
         ]
         forward = max(forward, *moments)
+    if n:  # the loss and the backward up to the first group: everything held
+        last = ag[n - 1] if side_streams else 0
+        backward = total(act, range(n)) + total(held, range(n)) + last + loss + accumulated
     for g in reversed(range(n)):
         live_acts = total(act, range(g + 1))
         earlier = total(held, range(g))

@@ -12,25 +12,28 @@ factors), ``param_group`` (one planner call, buffers and parameters), ``unshard`
 on what they planned, at lazy init), ``compile`` (what Dynamo must not trace),
 ``containers`` (tensors in module inputs and outputs), ``comms`` and
 ``comm_api`` (custom collectives and the methods that set them), ``api``
-(``fully_shard`` and ``FSDPModule``) and ``memory_plan`` (a step's peak memory,
-predicted from the plans before it runs).
+(``fully_shard`` and ``FSDPModule``), ``memory_plan`` (a step's peak memory,
+predicted from the plans before it runs) and ``activation_profile`` (what the
+forward leaves for backward, measured on a copy that holds no memory).
 """
 
+from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations, activation_profile
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp_rs.runtime.comm_api import share_comm_ctx
-from fsdp_rs.runtime.memory_plan import Activations, predict_memory, saved_activation_bytes
+from fsdp_rs.runtime.memory_plan import predict_memory
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
+    "ActivationProfile",
     "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "activation_profile",
     "fully_shard",
     "predict_memory",
     "register_fsdp_forward_method",
-    "saved_activation_bytes",
     "share_comm_ctx",
 ]

@@ -3,28 +3,27 @@
 ``predict_memory`` reads the group plans of a module sharded with fsdp-rs (on
 any device, ``meta`` included: nothing is allocated) and runs the planner's
 memory model ([Note: Memory model] in ``rust/planner/src/memory.rs``) over them;
-``saved_activation_bytes`` counts what autograd saves per block in one forward,
-the input the planner cannot know from the parameters. Together they tell a
-user whether a step fits before it runs; ``python -m fsdp_rs.bench memory``
-prints the prediction next to the measured peak.
+``activation_profile`` (``activation_profile.py``) measures what the forward
+and the loss leave for backward, the input the planner cannot know from the
+parameters. Together they tell a user whether a step fits before it runs;
+``python -m fsdp_rs.bench memory`` prints the prediction next to the measured
+peak.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_rs.planning import peak_memory
+from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations
 from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.streams import device_module
 
-__all__ = ["Activations", "group_memory", "predict_memory", "saved_activation_bytes"]
+__all__ = ["group_memory", "predict_memory"]
 
 BACKWARD_PREFETCH = 1  # FSDP2's default: one group's all-gather ahead in backward
 
@@ -112,7 +111,7 @@ def group_memory(module: nn.Module) -> dict[str, Any]:
 def predict_memory(
     module: nn.Module,
     *,
-    activations: Mapping[str, Activations | int] | None = None,
+    activations: ActivationProfile | Mapping[str, Activations | int] | None = None,
     resident_bytes: int = 0,
     accumulate: bool = False,
     prefetch: int = BACKWARD_PREFETCH,
@@ -121,15 +120,16 @@ def predict_memory(
     ``persistent`` (sharded parameters plus ``resident_bytes``), ``forward`` and
     ``backward`` (the most held on top of that in each pass) and ``peak``.
 
-    ``activations``: per fully_shard module, keyed by module name, what its
-    forward leaves for backward (``saved_activation_bytes`` counts it; an int
-    is saved bytes alone). A name that is not a fully_shard module raises
-    ValueError; the activations of a fully_shard module without parameters of
-    its own count as live for the whole step. ``resident_bytes``: whatever else
-    stays live through the step (optimizer states, inputs). ``accumulate``: the
-    step accumulates gradients over micro-steps with
-    ``set_requires_gradient_sync(False)``. ``prefetch``: all-gathers in flight
-    ahead of backward (FSDP2's default, 1, unless
+    ``activations``: an ``activation_profile`` of the model, or its ``blocks``
+    alone: per fully_shard module, keyed by module name, what its forward
+    leaves for backward (an int is saved bytes alone). A name that is not a
+    fully_shard module raises ValueError; the activations of a fully_shard
+    module without parameters of its own count as live for the whole step.
+
+    ``resident_bytes``: whatever else stays live through the step (optimizer
+    states, inputs). ``accumulate``: the step accumulates gradients over
+    micro-steps with ``set_requires_gradient_sync(False)``. ``prefetch``:
+    all-gathers in flight ahead of backward (FSDP2's default, 1, unless
     ``set_modules_to_backward_prefetch`` changed it).
     """
     if not isinstance(module, nn.Module):
@@ -143,7 +143,9 @@ def predict_memory(
     fqns = columns.pop("fqns")
     raf = columns.pop("reshard_after_forward")
     saved, outputs = [0] * len(fqns), [0] * len(fqns)
-    extra = 0
+    extra = loss = 0
+    if isinstance(activations, ActivationProfile):
+        activations, loss = activations.blocks, activations.loss
     index = {name: g for g, names in enumerate(fqns) for name in names}
     sharded_modules = {name for name, m in module.named_modules() if state_of(m) is not None}
     for name, value in (activations or {}).items():
@@ -162,7 +164,7 @@ def predict_memory(
             raise ValueError(
                 f"activations names {name!r}, which is not a fully_shard module of "
                 f"{type(module).__name__}: key it by the names of the modules fully_shard "
-                "was called on (saved_activation_bytes does)"
+                "was called on (activation_profile does)"
             )
     arrays = {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()}
     return peak_memory(
@@ -176,6 +178,7 @@ def predict_memory(
         activation_bytes=np.asarray(saved, dtype=np.int64),
         output_bytes=np.asarray(outputs, dtype=np.int64),
         resident_bytes=resident_bytes + extra,
+        loss_bytes=loss,
         accumulate=accumulate,
         side_streams=_side_streams(module),
         **arrays,
@@ -191,71 +194,3 @@ def _side_streams(module: nn.Module) -> bool:
             return state.context.streams.enabled
         return device_module(state.group.device) is not None
     return False
-
-
-class Activations(NamedTuple):
-    """What one block's forward leaves for backward: ``saved``, the bytes
-    autograd saves until the block's backward; ``output``, the bytes of its
-    outputs that require grad (the gradient flowing into its backward)."""
-
-    saved: int
-    output: int
-
-
-def _is_grad_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
-
-
-def saved_activation_bytes(
-    module: nn.Module, blocks: Sequence[nn.Module], *args: Any, **kwargs: Any
-) -> dict[str, int]:
-    """Bytes autograd saves for backward during ``module(*args, **kwargs)``, per
-    block: each saved storage counts once, for the innermost block running when
-    it is first saved (it lives until that block's backward, the last to use
-    it). Parameters, buffers and the inputs do not count. Run it on a copy of
-    the model on the ``meta`` device (with meta inputs, cast to the compute
-    dtype of a mixed-precision policy) so that nothing is allocated. Keys: the
-    blocks' names in ``module``."""
-    name_of = _fqns(module)
-    missing = [type(b).__name__ for b in blocks if id(b) not in name_of]
-    if missing:
-        raise ValueError(f"blocks must be submodules of module; not: {', '.join(missing)}")
-    known = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor):
-            known.add(_storage_key(x))
-    out = {name_of[id(b)]: Activations(0, 0) for b in blocks}
-    active: list[str] = []
-    counted: set[int] = set(known)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in counted and active:
-            counted.add(key)
-            name = active[-1]
-            out[name] = out[name]._replace(saved=out[name].saved + t.untyped_storage().nbytes())
-        return t
-
-    def enter(name: str):
-        def hook(*unused: Any) -> None:
-            active.append(name)
-
-        return hook
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        name = active.pop()
-        sizes = [t.nbytes for t in torch.utils._pytree.tree_leaves(output) if _is_grad_tensor(t)]
-        out[name] = out[name]._replace(output=out[name].output + sum(sizes))
-
-    with contextlib.ExitStack() as stack:
-        for b in blocks:
-            name = name_of[id(b)]
-            stack.callback(b.register_forward_pre_hook(enter(name)).remove)
-            stack.callback(b.register_forward_hook(leave).remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        module(*args, **kwargs)
-    return out

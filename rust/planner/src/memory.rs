@@ -19,6 +19,11 @@
 //! - after the compute, `g`'s own activations and its output;
 //! - when accumulating, every group's gradients accumulated in earlier micro-steps.
 //!
+//! between them, the loss and the backward up to the first group: every
+//! group's activations and forward holdings, the last all-gather output (with
+//! side streams), and `loss` bytes (the outputs, the loss's own tensors and
+//! transients, measured by `activation_profile`);
+//!
 //! backward, while `g` computes its gradients and while it reduces them:
 //! - the activations of `g` and the groups before it, the forward holdings of
 //!   the groups before it, and the sharded gradients of the groups after it
@@ -77,6 +82,9 @@ pub struct Schedule<'a> {
     pub reshard_after_forward: &'a [bool],
     /// Bytes live for the whole step besides the sharded parameters.
     pub resident: i64,
+    /// The most the loss and the backward up to the first group hold beyond
+    /// the groups' activations (the model's outputs included).
+    pub loss: i64,
     /// Gradients accumulate over micro-steps without synchronization.
     pub accumulate: bool,
     /// Collectives run on side streams (see the note).
@@ -153,6 +161,7 @@ fn check(groups: &GroupBytes<'_>, schedule: &Schedule<'_>) -> Result<()> {
         ("prefetch", schedule.prefetch),
         ("forward_prefetch", schedule.forward_prefetch),
         ("resident_bytes", schedule.resident),
+        ("loss_bytes", schedule.loss),
     ] {
         if value < 0 {
             return Err(PlanError::NegativeCount { name, value });
@@ -207,6 +216,14 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
     }
 
     let mut backward = 0i128;
+    if n > 0 {
+        let last = if side {
+            at(groups.all_gather, n - 1)
+        } else {
+            0
+        };
+        backward = acts[n] + held[n] + last + i128::from(schedule.loss) + accumulated;
+    }
     for g in 0..n {
         let ugrad = at(groups.unsharded_gradient, g);
         let in_flight = regathered[g] - regathered[g.saturating_sub(back)];
@@ -291,6 +308,7 @@ mod tests {
             forward_prefetch: 0,
             reshard_after_forward: reshard,
             resident: 0,
+            loss: 0,
             accumulate: false,
             side_streams,
         }
@@ -333,6 +351,12 @@ mod tests {
             resident: 7,
             ..schedule(&reshard, true)
         };
+        // the loss: activations 18 + held 80 + last all-gather output 240 + 1000.
+        let loss = Schedule {
+            loss: 1000,
+            ..schedule(&reshard, true)
+        };
+        assert_eq!(peak_memory(g, loss).unwrap().backward, 1338);
         let m = peak_memory(g, acc).unwrap();
         assert_eq!(m.persistent, 67);
         // every unsharded gradient (480) is held through later micro-steps.
@@ -380,6 +404,7 @@ mod tests {
                 resident: -1,
                 ..sched
             },
+            Schedule { loss: -1, ..sched },
         ] {
             assert!(matches!(
                 peak_memory(ok, bad),

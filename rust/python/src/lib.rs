@@ -80,7 +80,7 @@ fn plan_flat(
     reduce_scatter_output_bytes, *, prefetch = 1, forward_prefetch = 0,
     reshard_after_forward = None, gradient_bytes = None, unsharded_gradient_bytes = None,
     accumulated_gradient_bytes = None, activation_bytes = None, post_forward_bytes = None, output_bytes = None,
-    resident_bytes = 0, accumulate = false, side_streams = true,
+    resident_bytes = 0, loss_bytes = 0, accumulate = false, side_streams = true,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn peak_memory<'py>(
@@ -100,6 +100,7 @@ fn peak_memory<'py>(
     post_forward_bytes: Option<&Bound<'py, PyAny>>,
     output_bytes: Option<&Bound<'py, PyAny>>,
     resident_bytes: i64,
+    loss_bytes: i64,
     accumulate: bool,
     side_streams: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -150,6 +151,7 @@ fn peak_memory<'py>(
         forward_prefetch,
         reshard_after_forward: &reshard,
         resident: resident_bytes,
+        loss: loss_bytes,
         accumulate,
         side_streams,
     };

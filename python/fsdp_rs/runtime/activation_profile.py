@@ -1,0 +1,165 @@
+"""What a model's forward leaves for backward, measured on a copy that holds
+no memory: the input ``predict_memory`` cannot read from the group plans.
+
+``activation_profile`` runs the forward (and, with a ``loss_fn``, the loss and
+its backward) of a copy built under ``FakeTensorMode`` or on the ``meta``
+device. A ``FakeTensorMode`` copy for the real device is the faithful one: its
+ops pick the same kernels as the real run (a ``meta`` copy may choose another
+attention, which saves more), and it allocates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["ActivationProfile", "Activations", "activation_profile"]
+
+
+class Activations(NamedTuple):
+    """What one block's forward leaves for backward: ``saved``, the bytes
+    autograd saves until the block's backward; ``output``, the bytes of its
+    outputs that require grad (the gradient flowing into its backward)."""
+
+    saved: int
+    output: int
+
+
+class ActivationProfile(NamedTuple):
+    """``blocks``: per block name, its ``Activations``. ``loss``: the most the
+    model's outputs, the loss and the backward up to the first block hold at
+    once (beyond the blocks' saved activations); 0 without a ``loss_fn``."""
+
+    blocks: dict[str, Activations]
+    loss: int
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _grad_bytes(output: Any) -> int:
+    return sum(
+        t.nbytes for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+    )
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create while it is active, as they live: the
+    current sum and its peak since ``restart``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: set[int] = set()
+
+    def restart(self) -> None:
+        self.peak = self.current
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = StorageWeakRef(storage).cdata
+                if key not in self._live:
+                    self._live.add(key)
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+def activation_profile(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    *args: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> ActivationProfile:
+    """Run ``module(*args, **kwargs)`` and profile it per block (the modules
+    you will call ``fully_shard`` on; keys: their names in ``module``).
+
+    A block's ``saved`` bytes count each storage autograd saves once, for the
+    innermost block running when it is first saved (it lives until that
+    block's backward, the last to use it); parameters, buffers and inputs do
+    not count. With ``loss_fn`` (called on the outputs; a scalar), the loss
+    and the backward are run too, and ``loss`` is the peak from the outputs
+    to the start of the first block's backward. Build ``module`` and the inputs
+    under ``FakeTensorMode`` (in the compute dtype of a mixed-precision policy)
+    so that nothing is allocated."""
+    name_of = {id(m): name for name, m in module.named_modules()}
+    missing = [type(b).__name__ for b in blocks if id(b) not in name_of]
+    if missing:
+        raise ValueError(f"blocks must be submodules of module; not: {', '.join(missing)}")
+    counted = {_storage_key(t) for t in (*module.parameters(), *module.buffers())}
+    counted |= {_storage_key(x) for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
+    out = {name_of[id(b)]: Activations(0, 0) for b in blocks}
+    active: list[str] = []
+    started = [False]  # a block's backward has begun
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in counted and active:
+            counted.add(key)
+            name = active[-1]
+            out[name] = out[name]._replace(saved=out[name].saved + t.untyped_storage().nbytes())
+        return t
+
+    def enter(name: str) -> Callable:
+        def hook(*unused: Any) -> None:
+            active.append(name)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        name = active.pop()
+        out[name] = out[name]._replace(output=out[name].output + _grad_bytes(output))
+        if loss_fn is not None and module is not module_ and torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(mark)
+
+    def mark(grad: torch.Tensor) -> None:
+        if not started[0]:
+            started[0] = True
+            loss_peak[0] = live.peak
+
+    module_ = module
+    live = _LiveBytes()
+    loss_peak = [0]
+    with contextlib.ExitStack() as stack:
+        for b in blocks:
+            name = name_of[id(b)]
+            stack.callback(b.register_forward_pre_hook(enter(name)).remove)
+            stack.callback(b.register_forward_hook(leave).remove)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+            outputs = module(*args, **kwargs)
+        if loss_fn is None:
+            return ActivationProfile(out, 0)
+        with live:
+            live.restart()
+            start = live.current
+            loss = loss_fn(outputs)
+            loss.backward()
+            if not started[0]:
+                loss_peak[0] = live.peak
+    # The outputs were live at the start, and count unless a block saved them.
+    unsaved = [
+        t
+        for t in tree_leaves(outputs)
+        if isinstance(t, torch.Tensor) and t.requires_grad and _storage_key(t) not in counted
+    ]
+    return ActivationProfile(out, loss_peak[0] - start + _grad_bytes(unsaved))
