@@ -222,15 +222,7 @@ def test_rust_matches_reference_on_huge_inputs(
     resident=st.sampled_from([0, 2**62, 2**63 - 1]),
 )
 def test_rust_peak_memory_overflow_matches_reference(groups, prefetch, flags, resident):
-    args, kwargs = _memory_args(groups)
-    kwargs.update(
-        prefetch=prefetch,
-        forward_prefetch=prefetch,
-        accumulate=flags[0],
-        side_streams=flags[1],
-        resident_bytes=resident,
-        loss_bytes=resident,
-    )
+    args, kwargs = _memory_args(groups, prefetch, prefetch, flags, resident, resident)
     want = _outcome(ref.peak_memory, *args, **kwargs)
     got = _outcome(core.peak_memory, *args, **kwargs)
     assert (got if got is ValueError else dict(got)) == want
@@ -576,13 +568,22 @@ OPTIONAL_MEMORY_FIELDS = [
 ]
 
 
-def _memory_args(groups):
-    """``peak_memory``'s arguments from per-group tuples: five required byte
-    counts, six optional ones, and reshard_after_forward."""
+def _memory_args(groups, prefetch, forward_prefetch, flags, resident, loss):
+    """``peak_memory``'s arguments from per-group tuples (five required byte
+    counts, six optional ones, and reshard_after_forward) and the schedule
+    (``flags``: accumulate, side streams)."""
     n = len(groups)
     columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(11)]
     kwargs = dict(zip(OPTIONAL_MEMORY_FIELDS, columns[5:], strict=True))
     kwargs["reshard_after_forward"] = np.array([g[11] for g in groups], dtype=bool).reshape(n)
+    kwargs.update(
+        prefetch=prefetch,
+        forward_prefetch=forward_prefetch,
+        accumulate=flags[0],
+        side_streams=flags[1],
+        resident_bytes=resident,
+        loss_bytes=loss,
+    )
     return columns[:5], kwargs
 
 
@@ -595,15 +596,7 @@ def _memory_args(groups):
     resident=st.integers(0, 2**40),
 )
 def test_rust_peak_memory_matches_reference(groups, prefetch, forward_prefetch, flags, resident):
-    args, kwargs = _memory_args(groups)
-    kwargs.update(
-        prefetch=prefetch,
-        forward_prefetch=forward_prefetch,
-        accumulate=flags[0],
-        side_streams=flags[1],
-        resident_bytes=resident,
-        loss_bytes=resident // 3,
-    )
+    args, kwargs = _memory_args(groups, prefetch, forward_prefetch, flags, resident, resident // 3)
     assert dict(core.peak_memory(*args, **kwargs)) == ref.peak_memory(*args, **kwargs)
     # The optional arrays' defaults.
     bare = {k: kwargs[k] for k in ("prefetch", "reshard_after_forward")}
