@@ -200,3 +200,15 @@ def test_exported():
     assert fsdp_rs.activation_profile is activation_profile
     assert fsdp_rs.Activations is Activations
     assert fsdp_rs.ActivationProfile is ActivationProfile
+
+
+def test_group_memory_sums_a_module_of_several_dtypes(mesh):
+    """One fully_shard call over fp32 and bf16 parameters: one group per dtype
+    driven as one, one entry holding both."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64).to(torch.bfloat16))
+    fully_shard(model, mesh=mesh)
+    columns = group_memory(model)
+    numel = 64 * 64 + 64
+    assert columns["fqns"] == [("",)]
+    assert columns["sharded_bytes"] == [numel * 4 // 4 + numel * 2 // 4]
+    assert columns["unsharded_gradient_bytes"] == [numel * 4 + numel * 2]

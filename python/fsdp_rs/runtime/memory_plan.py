@@ -59,6 +59,32 @@ def _resharded(state, root) -> tuple[bool, int]:
     return True, world // int(raf)
 
 
+def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
+    """One group's byte counts, from its plan and, for the gradients, the plan
+    of its trained parameters (``grad_layout``)."""
+    plan = group.plan
+    grads = group.grad_layout.plan if any(group.requires_grad) else None
+    out = {
+        "sharded_bytes": plan.sharded_bytes,
+        "all_gather_bytes": plan.all_gather_bytes,
+        "unsharded_bytes": plan.unsharded_bytes,
+        "reduce_scatter_input_bytes": 0,
+        "reduce_scatter_output_bytes": 0,
+        "gradient_bytes": 0,
+        "unsharded_gradient_bytes": 0,
+        # kept between micro-steps in the reduce dtype ([Note: Reduction memory])
+        "accumulated_gradient_bytes": 0,
+        "post_forward_bytes": rows * plan.row_numel * plan.param_elem_size if resharded else 0,
+    }
+    if grads is not None:
+        out["reduce_scatter_input_bytes"] = grads.reduce_scatter_input_bytes
+        out["reduce_scatter_output_bytes"] = grads.reduce_scatter_output_bytes
+        out["gradient_bytes"] = grads.sharded_bytes
+        out["unsharded_gradient_bytes"] = grads.unsharded_bytes
+        out["accumulated_gradient_bytes"] = grads.unsharded_numel * grads.reduce_elem_size
+    return out
+
+
 def group_memory(module: nn.Module) -> dict[str, Any]:
     """Per-group byte counts of ``module`` (sharded with fsdp-rs) on this rank,
     in forward order: the arrays ``peak_memory`` takes, plus ``fqns`` (the
@@ -83,26 +109,13 @@ def group_memory(module: nn.Module) -> dict[str, Any]:
         )
     }
     for state in states:
-        group, plan = state.group, state.group.plan
-        trained = any(group.requires_grad)
-        grads = group.grad_layout.plan if trained else None
         resharded, rows = _resharded(state, root)
-        row_bytes = plan.row_numel * plan.param_elem_size
-        columns["sharded_bytes"].append(plan.sharded_bytes)
-        columns["all_gather_bytes"].append(plan.all_gather_bytes)
-        columns["unsharded_bytes"].append(plan.unsharded_bytes)
-        # Gradients exist for the trained parameters only (grad_layout's plan).
-        for name, value in (
-            ("reduce_scatter_input_bytes", "reduce_scatter_input_bytes"),
-            ("reduce_scatter_output_bytes", "reduce_scatter_output_bytes"),
-            ("gradient_bytes", "sharded_bytes"),
-            ("unsharded_gradient_bytes", "unsharded_bytes"),
-        ):
-            columns[name].append(getattr(grads, value) if grads is not None else 0)
-        # Kept between micro-steps in the reduce dtype ([Note: Reduction memory]).
-        accumulated = grads.unsharded_numel * grads.reduce_elem_size if trained else 0
-        columns["accumulated_gradient_bytes"].append(accumulated)
-        columns["post_forward_bytes"].append(rows * row_bytes if resharded else 0)
+        # A module with parameters of several dtypes has one group per dtype
+        # ([Note: One group per dtype]): one entry, their sum.
+        members = getattr(state.group, "groups", (state.group,))
+        bytes_of = [_group_bytes(group, resharded, rows) for group in members]
+        for name in bytes_of[0]:
+            columns[name].append(sum(b[name] for b in bytes_of))
         columns["reshard_after_forward"].append(resharded)
         columns["fqns"].append(tuple(name_of.get(id(m), "") for m in state.modules))
     return columns
