@@ -10,11 +10,11 @@ forward, the peak over the step (backward's, in practice), after the optimizer
 step, after ``zero_grad()``.
 
 For fsdp-rs it also records the planner's predicted peak
-(``fsdp_rs.runtime.memory_plan.predict_memory``), made after ``fully_shard``
-and before the first step: the group plans, the activations a forward of a
-``meta`` copy saves, and the optimizer state AdamW keeps (two sharded copies of
-the trained parameters and a step count per parameter) with the input as
-resident bytes. The CPU reference ops' index cache ([Note: Cached CPU indices])
+(``fsdp_rs.predict_memory``), made after ``fully_shard`` and before the first
+step: the group plans; the activations and the loss, profiled on a copy under
+``FakeTensorMode`` (``fsdp_rs.activation_profile``); and, as resident bytes,
+the input and the optimizer state AdamW keeps (two sharded copies of the
+trained parameters and a step count per parameter). The CPU reference ops' index cache ([Note: Cached CPU indices])
 is dropped before each measurement, so a row does not depend on the ones before
 it; it is not part of the prediction.
 """
@@ -47,7 +47,6 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 
 
-MODELS = ("mlp", "transformer")
 VOCAB, SEQ = 1024, 64  # the transformer's vocabulary and sequence length
 
 
@@ -88,10 +87,9 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
 
 def _activations(name: str, options: dict, dim: int, layers: int, batch: int, device):
     """What a forward and the loss leave for backward (``activation_profile``),
-    measured on a copy built under
-    ``FakeTensorMode`` for the measured device, in the compute dtype: the same
-    kernels as the real run (a ``meta`` copy may pick another attention), and
-    nothing allocated."""
+    measured on a copy built under ``FakeTensorMode`` for the measured device,
+    in the compute dtype: the same kernels as the real run (a ``meta`` copy may
+    pick another attention), and nothing allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_rs.runtime.activation_profile import activation_profile
