@@ -14,9 +14,11 @@ For fsdp-rs it also records the planner's predicted peak
 step: the group plans; the activations and the loss, profiled on a copy under
 ``FakeTensorMode`` (``fsdp_rs.activation_profile``); and, as resident bytes,
 the input and the optimizer state AdamW keeps (two sharded copies of the
-trained parameters and a step count per parameter). The CPU reference ops' index cache ([Note: Cached CPU indices])
-is dropped before each measurement, so a row does not depend on the ones before
-it; it is not part of the prediction.
+trained parameters and a step count per parameter).
+
+The CPU reference ops' index cache ([Note: Cached CPU indices]) is dropped
+before each measurement, so that a row does not depend on the ones before it;
+it is not part of the prediction.
 """
 
 from __future__ import annotations
