@@ -4,6 +4,7 @@ per-group inputs they read from a sharded model and the errors they raise.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,3 +213,32 @@ def test_group_memory_sums_a_module_of_several_dtypes(mesh):
     assert columns["fqns"] == [("",)]
     assert columns["sharded_bytes"] == [numel * 4 // 4 + numel * 2 // 4]
     assert columns["unsharded_gradient_bytes"] == [numel * 4 + numel * 2]
+
+
+def test_group_bytes_with_cpu_offload_leave_the_host_out():
+    """On an accelerator with CPU offload, the sharded parameters and gradients
+    are on the host: the device's bytes leave them out (on CPU, offload moves
+    nothing). A stand-in group, as no accelerator is needed to check the rule."""
+    from types import SimpleNamespace
+
+    from fsdp_rs.runtime.memory_plan import _group_bytes
+
+    plan = fsdp_rs.plan_group(np.array([2], dtype=np.int64), np.array([8, 4], dtype=np.int64), 4, 0)
+    layout = SimpleNamespace(plan=plan)
+
+    def group(device: str, shard_device: str):
+        return SimpleNamespace(
+            plan=plan,
+            grad_layout=layout,
+            requires_grad=[True],
+            device=torch.device(device),
+            shard_device=torch.device(shard_device),
+        )
+
+    on_device = _group_bytes(group("cuda", "cuda"), True, 0)
+    offloaded = _group_bytes(group("cuda", "cpu"), True, 0)
+    assert on_device["sharded_bytes"] == on_device["gradient_bytes"] == plan.sharded_bytes > 0
+    assert offloaded["sharded_bytes"] == offloaded["gradient_bytes"] == 0
+    assert {k: v for k, v in offloaded.items() if k not in ("sharded_bytes", "gradient_bytes")} == {
+        k: v for k, v in on_device.items() if k not in ("sharded_bytes", "gradient_bytes")
+    }

@@ -60,12 +60,15 @@ def _resharded(state, root) -> tuple[bool, int]:
 
 
 def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
-    """One group's byte counts, from its plan and, for the gradients, the plan
-    of its trained parameters (``grad_layout``)."""
+    """One group's byte counts on its compute device, from its plan and, for
+    the gradients, the plan of its trained parameters (``grad_layout``). With
+    CPU offload the sharded parameters and gradients live on the host: none of
+    their bytes are on an accelerator."""
     plan = group.plan
     grads = group.grad_layout.plan if any(group.requires_grad) else None
+    on_device = group.shard_device == group.device
     out = {
-        "sharded_bytes": plan.sharded_bytes,
+        "sharded_bytes": plan.sharded_bytes if on_device else 0,
         "all_gather_bytes": plan.all_gather_bytes,
         "unsharded_bytes": plan.unsharded_bytes,
         "reduce_scatter_input_bytes": 0,
@@ -79,7 +82,7 @@ def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
     if grads is not None:
         out["reduce_scatter_input_bytes"] = grads.reduce_scatter_input_bytes
         out["reduce_scatter_output_bytes"] = grads.reduce_scatter_output_bytes
-        out["gradient_bytes"] = grads.sharded_bytes
+        out["gradient_bytes"] = grads.sharded_bytes if on_device else 0
         out["unsharded_gradient_bytes"] = grads.unsharded_bytes
         out["accumulated_gradient_bytes"] = grads.unsharded_numel * grads.reduce_elem_size
     return out
@@ -129,7 +132,8 @@ def predict_memory(
     accumulate: bool = False,
     prefetch: int = BACKWARD_PREFETCH,
 ) -> dict[str, int]:
-    """Predicted bytes of one training step of ``module`` on this rank: keys
+    """Predicted bytes of one training step of ``module`` on this rank's
+    compute device (with CPU offload, what lives on the host is left out): keys
     ``persistent`` (sharded parameters plus ``resident_bytes``), ``forward`` and
     ``backward`` (the most held on top of that in each pass) and ``peak``.
 
