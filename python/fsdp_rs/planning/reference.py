@@ -461,21 +461,30 @@ def peak_memory(
     }
     arrays = {k: _int_list(v, k) for k, v in named.items()}
     n = len(arrays["sharded_bytes"])
-    optional = {
-        "gradient_bytes": (gradient_bytes, arrays["reduce_scatter_output_bytes"]),
-        "unsharded_gradient_bytes": (unsharded_gradient_bytes, arrays["unsharded_bytes"]),
-        "accumulated_gradient_bytes": (accumulated_gradient_bytes, None),
-        "activation_bytes": (activation_bytes, [0] * n),
-        "post_forward_bytes": (post_forward_bytes, [0] * n),
-        "output_bytes": (output_bytes, [0] * n),
-    }
-    for name, (given, default) in optional.items():
-        if default is None:  # accumulated gradients: the unsharded gradients' size
-            default = arrays["unsharded_gradient_bytes"]
+
+    def given_or(name: str, given: Any, default: list[int]) -> None:
         arrays[name] = default if given is None else _int_list(given, name)
-    k, kf = _int(prefetch, "prefetch"), _int(forward_prefetch, "forward_prefetch")
-    resident = _int(resident_bytes, "resident_bytes")
-    loss = _int(loss_bytes, "loss_bytes")
+
+    given_or("gradient_bytes", gradient_bytes, arrays["reduce_scatter_output_bytes"])
+    given_or("unsharded_gradient_bytes", unsharded_gradient_bytes, arrays["unsharded_bytes"])
+    given_or(
+        "accumulated_gradient_bytes",
+        accumulated_gradient_bytes,
+        arrays["unsharded_gradient_bytes"],
+    )
+    for name, given in (
+        ("activation_bytes", activation_bytes),
+        ("post_forward_bytes", post_forward_bytes),
+        ("output_bytes", output_bytes),
+    ):
+        given_or(name, given, [0] * n)
+    counts = {
+        "prefetch": prefetch,
+        "forward_prefetch": forward_prefetch,
+        "resident_bytes": resident_bytes,
+        "loss_bytes": loss_bytes,
+    }
+    counts = {name: _int(value, name) for name, value in counts.items()}
     for name, flag in (("accumulate", accumulate), ("side_streams", side_streams)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -497,14 +506,10 @@ def peak_memory(
         if values and min(values) < 0:
             g = next(g for g, v in enumerate(values) if v < 0)
             raise ValueError(f"{name}[{g}] = {values[g]} < 0")
-    if k < 0:
-        raise ValueError(f"prefetch must be >= 0, got {k}")
-    if kf < 0:
-        raise ValueError(f"forward_prefetch must be >= 0, got {kf}")
-    if resident < 0:
-        raise ValueError(f"resident_bytes must be >= 0, got {resident}")
-    if loss < 0:
-        raise ValueError(f"loss_bytes must be >= 0, got {loss}")
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    k, kf, resident, loss = counts.values()
     sharded, ag, unsh = (
         arrays["sharded_bytes"],
         arrays["all_gather_bytes"],
@@ -575,8 +580,7 @@ def peak_memory(
             + max(reducing, rs_out[g])
             + in_flight
             + reduced
-            + synced_acc
-            - (acc[g] if accumulate else 0)
+            + (total(acc, range(g)) if accumulate else 0)  # the earlier groups'
             + flowing
             - out[g],
         ]

@@ -175,13 +175,6 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
     let n = groups.sharded.len();
     let resharded = schedule.reshard_after_forward;
     let at = |values: &[i64], g: usize| i128::from(values[g]);
-    let held_of = |g: usize| {
-        if resharded[g] {
-            groups.post_forward[g]
-        } else {
-            groups.unsharded[g]
-        }
-    };
     let ag = prefix_sums(groups.all_gather.iter().copied());
     let regathered = prefix_sums((0..n).map(|g| {
         if resharded[g] {
@@ -190,7 +183,13 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
             0
         }
     }));
-    let held = prefix_sums((0..n).map(held_of));
+    let held = prefix_sums((0..n).map(|g| {
+        if resharded[g] {
+            groups.post_forward[g]
+        } else {
+            groups.unsharded[g]
+        }
+    }));
     let acts = prefix_sums(groups.activation.iter().copied());
     let grads = prefix_sums(groups.gradient.iter().copied());
     let accs = prefix_sums(groups.accumulated_gradient.iter().copied());
@@ -236,39 +235,29 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
         if !side {
             previous_rs = if ugrad <= previous_rs { ugrad } else { 0 };
         }
-        let not_reduced = if accumulate { accs[g + 1] } else { 0 };
-        // the gradients reduced: autograd's, or those accumulated so far
-        let reduced_now = if accumulate {
-            at(groups.accumulated_gradient, g)
+        // accumulated gradients of the groups before `g`, and `g`'s reduced:
+        // autograd's, or those accumulated so far
+        let (earlier_acc, reduced_now) = if accumulate {
+            (accs[g], at(groups.accumulated_gradient, g))
         } else {
-            ugrad
+            (0, ugrad)
         };
         let flowing_out = if g > 0 { at(groups.output, g - 1) } else { 0 };
         let base = acts[g] + held[g] + in_flight + flowing_out;
-        let computing = base
-            + at(groups.activation, g)
-            + at(groups.output, g)
-            + at(groups.unsharded, g)
-            + ugrad
-            + previous_rs
-            + reduced
-            + not_reduced;
+        // `g`'s backward under way: its activations, output, parameters, gradients
+        let own = at(groups.activation, g) + at(groups.output, g) + at(groups.unsharded, g) + ugrad;
+        // accumulating, `g`'s earlier gradients are live beside the fresh ones
+        let own_acc = if accumulate { reduced_now } else { 0 };
+        let computing = base + own + previous_rs + reduced + earlier_acc + own_acc;
         // The gradients are dropped after the copy-in, before the output exists.
         let reducing = base
             + at(groups.reduce_scatter_input, g)
             + reduced_now.max(at(groups.reduce_scatter_output, g))
             + reduced
-            + not_reduced
-            - if accumulate { reduced_now } else { 0 };
+            + earlier_acc;
         backward = backward.max(computing).max(reducing);
         if accumulate {
-            let unsynced = base
-                + at(groups.activation, g)
-                + at(groups.output, g)
-                + at(groups.unsharded, g)
-                + ugrad
-                + accumulated;
-            backward = backward.max(unsynced);
+            backward = backward.max(base + own + accumulated);
         }
     }
     let persistent = sharded[n] + i128::from(schedule.resident);
