@@ -108,7 +108,8 @@ def activation_profile(
     counted |= {_storage_key(x) for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
     out = {name_of[id(b)]: Activations(0, 0) for b in blocks}
     active: list[str] = []
-    started = [False]  # a block's backward has begun
+    live = _LiveBytes()
+    loss_peak: list[int | None] = [None]  # the peak when a block's backward began
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -124,22 +125,18 @@ def activation_profile(
 
         return hook
 
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
+    def leave(block: nn.Module, args: Any, output: Any) -> None:
         name = active.pop()
         out[name] = out[name]._replace(output=out[name].output + _grad_bytes(output))
-        if loss_fn is not None and module is not module_ and torch.is_grad_enabled():
+        if loss_fn is not None and block is not module and torch.is_grad_enabled():
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(mark)
 
     def mark(grad: torch.Tensor) -> None:
-        if not started[0]:
-            started[0] = True
+        if loss_peak[0] is None:
             loss_peak[0] = live.peak
 
-    module_ = module
-    live = _LiveBytes()
-    loss_peak = [0]
     with contextlib.ExitStack() as stack:
         for b in blocks:
             name = name_of[id(b)]
@@ -152,14 +149,12 @@ def activation_profile(
         with live:
             live.restart()
             start = live.current
-            loss = loss_fn(outputs)
-            loss.backward()
-            if not started[0]:
-                loss_peak[0] = live.peak
+            loss_fn(outputs).backward()
+            peak = live.peak if loss_peak[0] is None else loss_peak[0]
     # The outputs were live at the start, and count unless a block saved them.
     unsaved = [
         t
         for t in tree_leaves(outputs)
         if isinstance(t, torch.Tensor) and t.requires_grad and _storage_key(t) not in counted
     ]
-    return ActivationProfile(out, loss_peak[0] - start + _grad_bytes(unsaved))
+    return ActivationProfile(out, peak - start + _grad_bytes(unsaved))

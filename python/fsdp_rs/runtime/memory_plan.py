@@ -32,25 +32,21 @@ def _fqns(module: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in module.named_modules()}
 
 
-def _states(module: nn.Module) -> list:
-    """The fsdp-rs states under ``module`` with a parameter group, in module order
-    (the order their groups first run forward in a sequential model)."""
-    seen, out = set(), []
-    for m in module.modules():
-        state = state_of(m)
-        if state is not None and state.group is not None and id(state) not in seen:
-            seen.add(id(state))
-            out.append(state)
-    return out
+def _states(module) -> list:
+    """The fsdp-rs states under ``module`` (an ``FSDPModule``) with a parameter
+    group, in module order (the order their groups first run forward in a
+    sequential model)."""
+    return [state for state in module._states(recurse=True) if state.group is not None]
 
 
 def _resharded(state, root) -> tuple[bool, int]:
-    """(all-gathers again in backward, rows of ``[W, S]`` kept from forward)."""
+    """(all-gathers again in backward, rows of ``[W, S]`` kept from forward):
+    the group's setting once lazy init made it, else what lazy init will make."""
     group = state.group
-    raf = group.reshard_after_forward if state.context is not None else None
-    if raf is None:
-        arg = state.reshard_after_forward_arg
-        raf = (state is not root) if arg is None else arg
+    if state.context is not None:
+        raf = group.reshard_after_forward
+    else:
+        raf = state.default_reshard_after_forward(root)
     world = group.info.shard_size
     if raf is True or raf == world:
         return True, 0

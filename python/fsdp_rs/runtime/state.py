@@ -152,6 +152,13 @@ class FSDPState:
             module._register_load_state_dict_pre_hook(self._to_sharded)
             module.register_load_state_dict_post_hook(self._adopt_loaded)
 
+    def default_reshard_after_forward(self, root: FSDPState) -> bool | int:
+        """``reshard_after_forward`` as ``fully_shard`` was given it; when None
+        (the default), True except for the root, whose backward all-gathers it
+        at once ([Note: Root and lazy init])."""
+        raf = self.reshard_after_forward_arg
+        return (self is not root) if raf is None else raf
+
     def _to_sharded(self, *unused: Any) -> None:
         if self.group is not None and self.group.state != ShardedState.SHARDED:
             self.group.reshard()
@@ -216,8 +223,7 @@ class FSDPState:
             state.context = context
             state.is_root = state is self
             if state.group is not None:
-                raf = state.reshard_after_forward_arg
-                state.group.reshard_after_forward = (state is not self) if raf is None else raf
+                state.group.reshard_after_forward = state.default_reshard_after_forward(self)
         check_plans(self, states)  # [Note: Cross-rank plan check]
 
     # --------------------------------------------------------------- forward
