@@ -152,9 +152,11 @@ def tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 37, (4, 9), generator=g)
 
 
-def sharded_model(spec: dict, fs: Callable, mp_cls: type, world_size: int) -> Model:
+def sharded_model(
+    spec: dict, fs: Callable, mp_cls: type, world_size: int, model_cls: type | None = None
+) -> Model:
     torch.manual_seed(0)
-    model = Model(spec["ac"], spec["loop"])
+    model = (model_cls or Model)(spec["ac"], spec["loop"])
     kwargs: dict[str, Any] = {
         "mesh": init_device_mesh("cpu", (world_size,)),
         "reshard_after_forward": spec["raf"],

@@ -223,5 +223,5 @@ def test_fullgraph_names_the_hooks(fake_pg):
     spec = {**BASE, "how": "model", "loop": False}
     model = sharded_model(spec, fully_shard, MixedPrecisionPolicy, fake_pg)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="fullgraph=True over a fully_shard"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="set_fullgraph_compile"):
         compiled(tokens(0, 0))

@@ -14,16 +14,18 @@ Importing this package registers, in the ``fsdp_rs`` namespace:
 - ``post_reduce(reduce_scatter_output, sharded_grad!, divide_factor=1.0,
   accumulate=False)``
 - ``set_(tensor!, data)``
+- ``unshard_copy_out(...)``: functional, with the gradient reduction as its
+  autograd formula (the traced hooks' op, [Note: Traced hooks])
 
 Each copy has a CPU impl (plain torch), a CUDA impl (one Triton launch) and a
 fake impl. ``GroupTables.from_plan`` gives the table arguments for a plan.
 """
 
-from fsdp_rs.ops import set_
+from fsdp_rs.ops import set_, traced
 from fsdp_rs.ops._library import NAMESPACE, SCHEMAS
 from fsdp_rs.ops.copies import EagerOps
 from fsdp_rs.ops.tables import GroupTables
 
-del set_
+del set_, traced
 
 __all__ = ["NAMESPACE", "SCHEMAS", "EagerOps", "GroupTables"]

@@ -375,6 +375,7 @@ class FSDPModule(CommSettings):
         size (this module's group only, as FSDP2: call it per module)."""
         for group in self._groups(False):
             group.gradient_divide_factor = float(factor)
+        self._state.refresh_traced()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
@@ -385,6 +386,7 @@ class FSDPModule(CommSettings):
         group, as FSDP2: needed where the backend has no average (gloo)."""
         for group in self._groups(False):
             group.force_sum_reduction = enable
+        self._state.refresh_traced()
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: on the root, wait for
@@ -403,6 +405,22 @@ class FSDPModule(CommSettings):
         for group in groups:
             group.all_reduce_hook = hook
             group.all_reduce_hook_stream = stream
+
+    def set_fullgraph_compile(self, enabled: bool = True) -> None:
+        """Let ``torch.compile`` trace the fsdp-rs forward hooks of this root module
+        and every fully_shard module under it, so that ``torch.compile(model,
+        fullgraph=True)`` captures the whole model with its all-gathers and
+        reduce-scatters ([Note: Traced hooks]); ``False``: the hooks run eager under
+        compile again (the default). Call it on the root module, before compiling;
+        it raises ValueError naming the groups the traced hooks cannot handle."""
+        from fsdp_rs.runtime import traced
+
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_fullgraph_compile: enabled must be a bool, got {enabled!r}")
+        if enabled:
+            traced.enable(self._state)
+        else:
+            traced.disable(self._state)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         for group in self._groups(False):

@@ -14,7 +14,9 @@ torch FSDP2 uses for its own hooks (``_dynamo_disable`` in
 hook in a frame it traces, it breaks the graph there and runs the hook as it is,
 where FSDP2's hooks break it too; what lies between the hooks (the modules'
 forwards, activation checkpointing inside them) is compiled. The break message
-carries ``_REASON``, which is also the error of ``fullgraph=True``.
+carries ``_REASON``, which is also the error of ``fullgraph=True``; a model
+whose root called ``set_fullgraph_compile()`` has its hooks traced instead
+([Note: Traced hooks], ``runtime/traced.py``).
 
 The backward hooks (tensor and node hooks, the ``_PostBackward`` function and
 the end-of-backward callback) are registered by these eager hooks on eager
@@ -41,7 +43,8 @@ _F = TypeVar("_F", bound=Callable)
 # What Dynamo reports at each hook, and in the error of torch.compile(fullgraph=True).
 _REASON = (
     "fsdp-rs runs its forward hooks (unshard, reshard) eager under torch.compile; "
-    "fullgraph=True over a fully_shard module is not supported yet: compile without it"
+    "for fullgraph=True over a fully_shard module call model.set_fullgraph_compile() "
+    "on the root first ([Note: Traced hooks]), or compile without fullgraph"
 )
 
 

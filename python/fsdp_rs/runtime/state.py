@@ -86,6 +86,10 @@ class Context:
         # what pauses its type checking around the hooks' own tensor work
         self.spmd = None
         self.untyped = _nothing
+        # A traced forward of the root is in progress ([Note: Traced hooks]).
+        self.tracing = False
+        self.root_traced = False  # the root's pre-forward took the traced hooks
+        self.traced_groups: list = []
 
 
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
@@ -143,14 +147,30 @@ class FSDPState:
         # [Note: Eager hooks under torch.compile]
         self.pre_forward = eager_hook(self._pre_forward_hook)
         self.post_forward = eager_hook(self._post_forward_hook)
+        self.traced_groups: list = []  # [Note: Traced hooks]
+        self._hook_ids: list[tuple[nn.Module, int, int]] = []
         for module in self.modules:
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self.post_forward, prepend=False)
+            pre = module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            post = module.register_forward_hook(self.post_forward, prepend=False)
+            self._hook_ids.append((module, pre.id, post.id))
             # state_dict and load_state_dict see the sharded parameters; a load
             # that assigned new ones is adopted at once.
             module.register_state_dict_pre_hook(self._to_sharded)
             module._register_load_state_dict_pre_hook(self._to_sharded)
             module.register_load_state_dict_post_hook(self._adopt_loaded)
+
+    def use_hooks(self, pre_forward, post_forward) -> None:
+        """Register ``pre_forward`` / ``post_forward`` in the places of the forward
+        hooks ``__init__`` registered (their order among other hooks kept)."""
+        for module, pre_id, post_id in self._hook_ids:
+            module._forward_pre_hooks[pre_id] = pre_forward
+            module._forward_hooks[post_id] = post_forward
+
+    def refresh_traced(self) -> None:
+        """After a change of the group's reduction flags: what the traced hooks
+        read of them ([Note: Traced hooks])."""
+        for traced in self.traced_groups:
+            traced.refresh()
 
     def default_reshard_after_forward(self, root: FSDPState) -> bool | int:
         """``reshard_after_forward`` as ``fully_shard`` was given it; when None

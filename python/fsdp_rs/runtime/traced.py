@@ -1,0 +1,429 @@
+"""Forward hooks that torch.compile traces: the whole sharded model in one graph
+(``torch.compile(model, fullgraph=True)``), with the all-gathers and
+reduce-scatters in it as functional collectives.
+
+[Note: Traced hooks]
+By default fsdp-rs's forward hooks run eager under torch.compile ([Note: Eager
+hooks under torch.compile]): Dynamo breaks the graph at each. After
+``model.set_fullgraph_compile()`` on the root, Dynamo traces them instead, and
+this module is what it traces. It has no state of its own and touches none of
+the eager state machine's, so eager calls of the same model (outside compile)
+run the eager hooks as before, and the two paths give the same results bit for
+bit.
+
+- Before a group's forward: its all-gather input (the sharded buffer, cast to
+  the parameter dtype where mixed precision asks), the functional all-gather
+  and its wait, then ``fsdp_rs::unshard_copy_out`` into a fresh unsharded
+  buffer; the unsharded parameters are views of it, written into the modules'
+  ``_parameters``. The copy-out's autograd formula is the eager post-backward's
+  reduction ([Note: Gradient division] included): reduce-scatter copy-in,
+  reduce-scatter, post-reduce into a fresh sharded row whose views become the
+  gradients of the sharded DTensor parameters (AOT autograd puts them in the
+  backward graph; autograd accumulates them into ``.grad`` as it does for any
+  leaf, post-accumulate-grad hooks included). A module called twice in one
+  forward reuses its group's unsharded buffer, so its gradients are summed
+  before the one reduction, as in eager.
+- ``reshard_after_forward`` (True or an int): the gather runs inside
+  ``torch.utils.checkpoint`` with a policy that recomputes all of it, so the
+  forward graph keeps no unsharded parameter for backward and the backward
+  gathers again (the min-cut partitioner of ``aot_eager`` and inductor does
+  this; an int all-gathers over the whole shard group, as True). ``False``:
+  the unsharded buffer is saved, as eager keeps it.
+- After the group's forward the sharded parameters are registered again; the
+  root's post-forward ends the trace's bookkeeping.
+
+What SimpleFSDP (torchtitan) and the traceable-FSDP2 work taught: keep the
+collectives functional and the copies functional custom ops with autograd
+formulas, so that AOT autograd, selective checkpointing and the partitioner
+can reason about them; FSDP2's traced hooks needed compiled autograd and
+in-place ``set_`` tricks to free memory inside the graph, which recomputation
+makes unnecessary.
+
+Supported: one-dimensional FSDP meshes, floating-point groups sharded on dim
+0, every parameter of a group trainable or none, no CPU offload, one module per
+``fully_shard`` call. ``set_fullgraph_compile`` refuses the rest with the
+group named. Flags that can change later and that this path does not follow
+(no gradient sync, all-reduce hooks, a custom reduce-scatter, a group unsharded
+by hand) make the hooks run eager under compile: a graph break with the reason,
+or under ``fullgraph=True`` an error that names it. One difference from eager
+remains: a parameter of a group that ran forward gets a gradient even if
+nothing used it (zeros, as any unused slice of a tensor gets), where eager
+leaves its ``.grad`` untouched when no rank had a gradient for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
+from fsdp_rs.ops.traced import unshard_copy_out
+from fsdp_rs.runtime.collectives import gradient_division
+from fsdp_rs.runtime.state import _cast_floats, _elsewhere
+from fsdp_rs.runtime.unshard import ShardedState
+
+__all__ = ["TracedGroup", "disable", "enable"]
+
+
+class TracedGroup:
+    """What the traced hooks read of one group, as plain Python values made
+    eagerly (Dynamo cannot read the planner's arrays), and the unsharded
+    parameters of the trace in progress."""
+
+    def __init__(self, group, module) -> None:
+        self.group = group
+        self.layout = group.layout
+        info = group.info
+        self.world = info.shard_size
+        self.group_name = info.shard_group.group_name if self.world > 1 else ""
+        plan = group.plan
+        self.unsharded_numel = plan.unsharded_numel
+        shapes, strides = group._unsharded_shapes()
+        self.unsharded = list(
+            zip(plan.unsharded_offsets.tolist(), map(tuple, shapes), strides, strict=True)
+        )
+        self.row_offsets = list(group.layout.row_offsets)
+        self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
+        self.tables = group.tables.copy_out_args()
+        # (module, name, parameter index) of every registration slot
+        owner = {id(m._parameters): m for m in module.modules()}
+        managed = group.managed
+        self.slots = [
+            (owner[id(d)], name, i)
+            for d, name, i in zip(
+                managed.slot_dicts, managed.slot_names, managed.slot_index, strict=True
+            )
+        ]
+        first: dict[int, int] = {}
+        for k, (_, _, i) in enumerate(self.slots):
+            first.setdefault(i, k)
+        self.first_slots = [first[i] for i in range(len(first))]
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the group's reduction flags (at ``set_fullgraph_compile`` and
+        whenever the API changes them): Dynamo cannot trace ``gradient_division``."""
+        group = self.group
+        self.factor = group.gradient_divide_factor
+        self.force_sum = group.force_sum_reduction
+        self.reduce_op, self.pre_divide, self.post_divide = _reduction(group, self.world)
+
+    def registered(self) -> list[torch.Tensor]:
+        """The object registered for each parameter (its first slot)."""
+        return [self.slots[k][0]._parameters[self.slots[k][1]] for k in self.first_slots]
+
+    def register(self, objects: list[torch.Tensor]) -> None:
+        for module, name, i in self.slots:
+            module._parameters[name] = objects[i]
+
+
+def _groups(state) -> tuple:
+    group = state.group
+    if group is None:
+        return ()
+    return getattr(group, "groups", (group,))
+
+
+def _static_reason(state, group) -> str | None:
+    """Why ``group`` cannot take the traced hooks at all, or None."""
+    from fsdp_rs.runtime.param_group import FSDPParamGroup
+
+    if len(state.modules) > 1:
+        return "it shards several modules in one fully_shard call"
+    if type(group) is not FSDPParamGroup:
+        return "its parameters are sharded on another dim or gathered by an extension"
+    if group.info.replicate_group is not None:
+        return "it is replicated (HSDP)"
+    if group.offload_to_cpu:
+        return "it offloads to CPU"
+    if group.nd is not None or group.annotations is not None:
+        return "its parameters are DTensors of another parallelism"
+    if group.orig_dtype not in FLOAT_DTYPES or group.param_dtype not in FLOAT_DTYPES:
+        return f"its dtype {group.orig_dtype} is not floating point"
+    return None
+
+
+_REASONS = {
+    "root": "the root fully_shard module's hooks run eager (compile the root module, "
+    "after model.set_fullgraph_compile(); a nested module compiled alone runs them eager)",
+    "frozen": "a group has both trainable and frozen parameters",
+    "no_sync": "gradient sync is off (set_requires_gradient_sync(False))",
+    "comm": "a group has an all-reduce hook, custom comms or a separate reduce-scatter group",
+    "unsharded": "a group was unsharded by hand (module.unshard()) and not resharded",
+    "replanned": "a group was re-planned (model.to(dtype)) since set_fullgraph_compile(): "
+    "call it again",
+    "division": "a gradient divide factor needs a pre-multiplied sum",
+    "flags": "a group's reduction flags changed other than through its FSDPModule setters",
+}
+
+
+def _eager_pre(state, module, args, kwargs):
+    return state._pre_forward_hook(module, args, kwargs)
+
+
+def _eager_post(state, module, args, output):
+    return state._post_forward_hook(module, args, output)
+
+
+def _fallback(fn, key: str):
+    reason = f"fsdp-rs runs its hooks eager under torch.compile here: {_REASONS[key]}"
+    return torch.compiler.disable(fn, recursive=True, reason=reason)
+
+
+# Immutable: one eager fallback per reason, so that Dynamo's message names it.
+_FALLBACK_PRE = {key: _fallback(_eager_pre, key) for key in _REASONS}
+_FALLBACK_POST = _fallback(_eager_post, "root")
+
+
+def _reduction(group, shard_size: int) -> tuple[str, float, float]:
+    """(reduce-scatter op, pre-divide, post-divide) as the eager post-backward
+    divides ([Note: Gradient division]); op "" where it is a pre-multiplied sum."""
+    import torch.distributed as dist
+
+    factor = group.gradient_divide_factor
+    division = gradient_division(
+        group.reduce_dtype, shard_size, 1, factor, group.force_sum_reduction
+    )
+    op = division.reduce_scatter_op
+    name = "sum" if op == dist.ReduceOp.SUM else "avg" if op == dist.ReduceOp.AVG else ""
+    post = division.post
+    if shard_size == 1:
+        name = "sum"
+        if factor is not None and post == 1.0:
+            post = factor  # no collective: the eager path divides by it alone
+    return name, division.pre, post
+
+
+def _why_not(context) -> str | None:
+    """The first reason (a key of ``_REASONS``) why some group of ``context``
+    cannot be traced now, or None."""
+    for state in context.states:
+        for traced in state.traced_groups:
+            group = traced.group
+            if traced.layout is not group.layout:
+                return "replanned"
+            trains = [p.requires_grad for p in group.sharded_params]
+            if any(trains) and not all(trains):
+                return "frozen"
+            if not group.reduce_grads:
+                return "no_sync"
+            if (
+                group.all_reduce_hook is not None
+                or group.all_gather_comm is not None
+                or group.reduce_scatter_comm is not None
+                or group.reduce_scatter_group is not None
+            ):
+                return "comm"
+            if group.state != ShardedState.SHARDED or group.unshard_pending:
+                return "unsharded"
+            if (
+                group.gradient_divide_factor != traced.factor
+                or group.force_sum_reduction != traced.force_sum
+            ):
+                return "flags"
+            if not traced.reduce_op:
+                return "division"
+    return None
+
+
+def _recompute_all():
+    return create_selective_checkpoint_contexts(
+        lambda ctx, func, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE
+    )
+
+
+def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
+    """The group's unsharded buffer: all-gather and copy-out, differentiable
+    for ``local`` (the sharded parameters' local tensors)."""
+    group = traced.group
+    source = sharded if sharded.dtype == group.param_dtype else sharded.to(group.param_dtype)
+    if traced.world > 1:
+        functional = torch.ops._c10d_functional
+        ag = functional.all_gather_into_tensor(source, traced.world, traced.group_name)
+        ag = functional.wait_tensor(ag).view(traced.world, -1)
+    else:
+        ag = source.view(1, -1)
+    return unshard_copy_out(
+        ag,
+        list(local),
+        *traced.tables,
+        traced.unsharded_numel,
+        traced.row_offsets,
+        traced.local_numels,
+        traced.group_name,
+        traced.reduce_op,
+        traced.pre_divide,
+        traced.post_divide,
+        group.reduce_dtype,
+    )
+
+
+def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
+    group = traced.group
+    registered = traced.registered()
+    if registered[0] is not group.sharded_params[0]:  # called again in this forward
+        return registered
+    local = [p.to_local() for p in group.sharded_params]
+    if group.reshard_after_forward is not False and torch.is_grad_enabled():
+        flat = checkpoint(
+            _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
+        )
+    else:
+        flat = _gather(traced, group.sharded, *local)
+    return [flat.as_strided(shape, stride, offset) for offset, shape, stride in traced.unsharded]
+
+
+def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
+    context = state.context
+    if state.is_root:
+        why = _why_not(context)
+        context.root_traced = why is None
+        if why is not None:
+            return _FALLBACK_PRE[why](state, module, args, kwargs)
+        device = context.device
+        if device is not None and _elsewhere((args, kwargs), device):
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(device), (args, kwargs)
+            )
+    elif not context.tracing:
+        return _FALLBACK_PRE["root"](state, module, args, kwargs)
+    mp = state.mp_policy
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+    if not state.is_root:  # the root's groups: in its forward (``_root_forward``)
+        for traced in state.traced_groups:
+            traced.register(_unshard(traced))
+    return args, kwargs
+
+
+def post_forward(state, module, args: tuple, output: Any) -> Any:
+    context = state.context
+    if not (context.root_traced if state.is_root else context.tracing):
+        return _FALLBACK_POST(state, module, args, output)
+    if state.mp_policy.output_dtype is not None:
+        output = _cast_floats(output, state.mp_policy.output_dtype)
+    return output
+
+
+def _root_forward(state, forward):
+    """The root module's forward while traced hooks are on.
+
+    [Note: The root's groups in its forward]
+    ``torch.compile(model)`` runs the root module's own hooks as frames of their
+    own and traces its forward as another; the unsharded parameters made in one
+    frame and used in the next would be graph outputs (kept alive between the
+    graphs, and refused by AOT autograd next to DTensor inputs). So the root's
+    groups are gathered inside its forward, and every group's sharded
+    parameters registered again at its end: everything the forward made stays
+    in its graph. A nested module's unsharded parameters stay registered until
+    then, so that a module called twice reuses them (one reduction of the
+    summed gradients, as in eager)."""
+
+    def traced_forward(*args: Any, **kwargs: Any) -> Any:
+        context = state.context
+        if not torch.compiler.is_compiling() or not context.root_traced:
+            return forward(*args, **kwargs)
+        context.tracing = True
+        for traced in state.traced_groups:
+            traced.register(_unshard(traced))
+        output = forward(*args, **kwargs)
+        for traced in context.traced_groups:
+            traced.register(traced.group.sharded_params)
+        context.tracing = False
+        return output
+
+    return traced_forward
+
+
+def _dispatch(state):
+    """The hooks registered while traced hooks are on: traced under compile,
+    the eager ones otherwise."""
+
+    def pre(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return pre_forward(state, module, args, kwargs)
+        if state.context is not None and state.context.tracing:
+            _mixed(state.context)
+        return state.pre_forward(module, args, kwargs)
+
+    def post(module, args, output):
+        if torch.compiler.is_compiling():
+            return post_forward(state, module, args, output)
+        return state.post_forward(module, args, output)
+
+    return pre, post
+
+
+def _mixed(context) -> None:
+    context.tracing = False
+    for traced in context.traced_groups:
+        traced.register(traced.group.sharded_params)
+    raise RuntimeError(
+        "fsdp_rs: a fully_shard module ran its forward eager inside a root forward "
+        "that torch.compile traced (Dynamo ran part of the forward eager after a graph "
+        "break); compile with fullgraph=True to find the break and remove it, or turn "
+        "the traced hooks off with model.set_fullgraph_compile(False)"
+    )
+
+
+def enable(root) -> None:
+    """Traced hooks for every fully_shard module under ``root`` (an
+    ``FSDPState``); see [Note: Traced hooks]."""
+    if root.context is None:
+        root._lazy_init()
+    if not root.is_root:
+        raise ValueError(
+            "set_fullgraph_compile must be called on the root fully_shard module (the "
+            "outermost one, which the forward runs through), not on a module nested in it"
+        )
+    context = root.context
+    problems = []
+    for state in context.states:
+        for group in _groups(state):
+            why = _static_reason(state, group)
+            if why is not None:
+                names = ", ".join(type(m).__name__ for m in state.modules)
+                problems.append(f"{names}: {why}")
+    if problems:
+        raise ValueError(
+            "set_fullgraph_compile: these fully_shard groups cannot be traced: "
+            + "; ".join(problems)
+            + ". Compile without it (the hooks then run eager, with a graph break at each)"
+        )
+    context.traced_groups = []
+    for state in context.states:
+        state.traced_groups = []
+        for group in _groups(state):
+            traced = TracedGroup(group, state.modules[0])
+            state.traced_groups.append(traced)
+            context.traced_groups.append(traced)
+    for state in context.states:
+        state.use_hooks(*_dispatch(state))
+    module = root.modules[0]
+    if "forward" not in vars(module):  # [Note: The root's groups in its forward]
+        module.forward = _root_forward(root, module.forward)
+        module._fsdp_rs_traced_forward = module.forward
+
+
+def disable(root) -> None:
+    """The eager hooks again everywhere under ``root``."""
+    context = root.context
+    if context is None:
+        return
+    context.traced_groups = []
+    for state in context.states:
+        state.traced_groups = []
+        state.use_hooks(state.pre_forward, state.post_forward)
+    module = root.modules[0]
+    own = vars(module)
+    if "_fsdp_rs_traced_forward" in own:
+        if own.get("forward") is own["_fsdp_rs_traced_forward"]:
+            del module.forward
+        del module._fsdp_rs_traced_forward

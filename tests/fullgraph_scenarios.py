@@ -1,0 +1,195 @@
+"""``torch.compile(..., fullgraph=True)`` of fully_shard models with traced
+hooks ([Note: Traced hooks]), run by spawned gloo ranks (CPU).
+
+Each scenario trains the compile scenarios' tied-weight transformer for
+``STEPS`` steps twice: fsdp-rs eager (the reference) and fsdp-rs compiled with
+``fullgraph=True`` after ``model.set_fullgraph_compile()``. The compiled run
+records the operations of every graph AOT autograd compiled (collectives and
+``fsdp_rs`` ops, auto-functionalized ones by the op inside), the sizes of the
+tensors each forward graph saves for backward, and how many graphs Dynamo
+compiled at the first step and at all (the later steps run with
+``error_on_recompile``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from compile_scenarios import BASE, LAYERS, Model, sharded_model, tokens
+from spawned import finish
+
+STEPS = 5
+
+# ``how``: torch.compile(model) or model.compile(); ``backend``: "aot_eager"
+# and "eager" (bit for bit), "inductor"; ``twice``: the first block runs twice
+# per forward (the model unrolled); ``accumulate``: two backwards per step,
+# both synced. The rest as in compile_scenarios.BASE.
+FULLGRAPH_BASE = {**BASE, "how": "model", "twice": False, "accumulate": False}
+_CONFIGS = {
+    "aot_eager_raf": {"backend": "aot_eager"},
+    "aot_eager_noraf_bf16": {"backend": "aot_eager", "raf": False, "bf16": True},
+    "aot_eager_ac_noraf": {"backend": "aot_eager", "ac": True, "raf": False},
+    "method_aot_eager_bf16_dynamic": {
+        "how": "model_method",
+        "backend": "aot_eager",
+        "bf16": True,
+        "dynamic": True,
+    },
+    "aot_eager_twice_accumulate": {
+        "backend": "aot_eager",
+        "loop": False,
+        "twice": True,
+        "accumulate": True,
+    },
+    "eager_bf16_raf": {"backend": "eager", "bf16": True},
+    "inductor_raf": {"backend": "inductor"},
+    "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
+}
+SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}
+
+
+class TwiceModel(Model):
+    """The model with its first block called twice."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        first, second = self.blocks
+        return self.out(self.norm(second(first(first(self.embed(tokens))))))
+
+
+def _model(spec: dict, world_size: int) -> Model:
+    from fsdp_rs import MixedPrecisionPolicy, fully_shard
+
+    cls = TwiceModel if spec["twice"] else Model
+    return sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size, cls)
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if "auto_functionalized" in str(target):  # the mutating op it wraps
+        target = node.args[0]
+    name = str(target)
+    return name if "c10d" in name or "fsdp_rs" in name else None
+
+
+_VIEWS = ("view", "as_strided", "t.default", "transpose", "permute", "alias", "reshape")
+
+
+def _from_unshard(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an unsharded buffer (``fsdp_rs.unshard_copy_out``'s
+    output) or a view of one: what a forward graph must not save for backward
+    when it reshards after forward."""
+    while node.op == "call_function":
+        name = str(node.target)
+        if "unshard_copy_out" in name:
+            return True
+        if not any(v in name for v in _VIEWS) or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+class ListingBackend:
+    """aot_eager or eager that records, per compiled graph, the collective and
+    fsdp_rs ops it runs and how many of its outputs (for a forward graph: what
+    it saves for backward) are unsharded buffers or views of them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dynamo_graphs = 0
+        self.graphs: list[dict] = []
+
+    def _record(self, kind: str):
+        def compiler(gm: torch.fx.GraphModule, inputs: list) -> Callable:
+            ops = [op for n in gm.graph.nodes if n.op == "call_function" and (op := _op_name(n))]
+            out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            unsharded = sum(map(_from_unshard, (a for a in out if isinstance(a, torch.fx.Node))))
+            self.graphs.append({"kind": kind, "ops": ops, "saves_unsharded": unsharded})
+            return gm
+
+        return compiler
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        self.dynamo_graphs += 1
+        if self.name == "eager":
+            return self._record("dynamo")(gm, inputs)
+        if self.name == "inductor":
+            return torch._dynamo.lookup_backend("inductor")(gm, inputs)
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def boxed(kind):
+            return lambda g, i: make_boxed_func(self._record(kind)(g, i))
+
+        return aot_autograd(
+            fw_compiler=boxed("forward"),
+            bw_compiler=boxed("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+        )(gm, inputs)
+
+
+def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
+    """Losses and final full parameters; compiled, what was compiled."""
+    model = _model(spec, world_size)
+    torch._dynamo.reset()
+    backend = ListingBackend(spec["backend"]) if compiled else None
+    run: Any = model
+    if compiled:
+        model.set_fullgraph_compile()
+        options = {"backend": backend, "fullgraph": True, "dynamic": spec["dynamic"]}
+        if spec["how"] == "model":
+            run = torch.compile(model, **options)
+        else:
+            model.compile(**options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, first_step = [], 0
+    micro = 2 if spec["accumulate"] else 1
+    for step in range(STEPS):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            for k in range(micro):
+                loss = run(tokens(micro * step + k, rank)).float().pow(2).mean()
+                loss.backward()
+                losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and backend is not None:
+            first_step = backend.dynamo_graphs
+    result: dict[str, Any] = {
+        "losses": losses,
+        "params": [p.full_tensor().float().tolist() for p in model.parameters()],
+    }
+    if backend is not None:
+        result.update(
+            dynamo_graphs=backend.dynamo_graphs, first_step=first_step, graphs=backend.graphs
+        )
+    return result
+
+
+def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+    )
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            spec = SCENARIOS[name]
+            results[name] = {
+                "eager": train(spec, world_size, rank, compiled=False),
+                "compiled": train(spec, world_size, rank, compiled=True),
+            }
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    finish(out_dir, rank, results)
+
+
+__all__ = ["LAYERS", "SCENARIOS", "STEPS", "worker"]

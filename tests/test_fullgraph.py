@@ -1,0 +1,199 @@
+"""``torch.compile(model, fullgraph=True)`` with fsdp-rs's traced hooks
+([Note: Traced hooks]): the whole model in one graph, the all-gathers and
+reduce-scatters in it as functional collectives and the copies as
+``torch.ops.fsdp_rs`` ops.
+
+Spawned gloo ranks (W = 2) train each scenario of ``fullgraph_scenarios`` for
+five steps eagerly and compiled (``fullgraph=True``). Checked per rank:
+
+- compiled equals eager: losses and final parameters bit for bit with the eager
+  and aot_eager backends; with inductor to rtol 1e-5 / atol 1e-6 in fp32 and
+  rtol 1e-2 / atol 1e-3 in bf16 (as ``test_compile``);
+- Dynamo compiles at the first step only (``error_on_recompile`` after it);
+- the graphs' operations (aot_eager): each forward all-gathers and copies out
+  once per group (``_c10d_functional.all_gather_into_tensor``, ``wait_tensor``,
+  ``fsdp_rs.unshard_copy_out``); the backward reduce-scatters once per group
+  (``fsdp_rs.reduce_scatter_copy_in_flat``, ``_c10d_functional.reduce_scatter_tensor``,
+  ``fsdp_rs.post_reduce``), and with ``reshard_after_forward=True`` gathers
+  again while the forward saves no unsharded parameter;
+- the errors and fallbacks: ``set_fullgraph_compile`` names the groups it cannot
+  trace; a flag the traced hooks do not follow makes ``fullgraph=True`` fail
+  with the reason; memory no higher than eager (fake process group).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_scenarios import BASE, LAYERS, sharded_model, tokens
+from fullgraph_scenarios import SCENARIOS, worker
+from spawned import read_ranks, spawn_scenarios
+
+WORLD_SIZE = 2
+INDUCTOR_TOLERANCE = {
+    False: {"rtol": 1e-5, "atol": 1e-6},
+    True: {"rtol": 1e-2, "atol": 1e-3},
+}
+GROUPS = LAYERS + 1  # a group per block and the root's
+GATHER = [
+    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.wait_tensor.default",
+    "fsdp_rs.unshard_copy_out.default",
+]
+REDUCE = [
+    "fsdp_rs.reduce_scatter_copy_in_flat.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.wait_tensor.default",
+    "fsdp_rs.post_reduce.default",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fullgraph")
+    spawn_scenarios(worker, WORLD_SIZE, list(SCENARIOS), out)
+    return read_ranks(out, WORLD_SIZE)
+
+
+def _count(ops: list[str], sequence: list[str]) -> int:
+    """How many times ``sequence`` occurs in ``ops`` as a subsequence, in order
+    and without overlap (other ops may come between)."""
+    count, k = 0, 0
+    for op in ops:
+        if op == sequence[k]:
+            k += 1
+            if k == len(sequence):
+                count, k = count + 1, 0
+    return count
+
+
+# torch < 2.15's AOT autograd saves the DeviceMesh of a DTensor's to_local for
+# backward beside tensors when a checkpointed region follows, and then asserts
+# (torch 2.15 does not): activation checkpointing inside the blocks needs 2.15.
+AC_NEEDS = (2, 15)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fullgraph_parity(results, name):
+    spec = SCENARIOS[name]
+    for rank, per_rank in enumerate(results):
+        result = per_rank[name]
+        if spec["ac"] and _torch_version() < AC_NEEDS:
+            assert "tensors_saved_with_vc_check" in result.get("error", ""), result
+            continue
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["dynamo_graphs"] == compiled["first_step"] >= 1, compiled
+        if spec["backend"] == "inductor":
+            tol = INDUCTOR_TOLERANCE[spec["bf16"]]
+            torch.testing.assert_close(compiled["losses"], eager["losses"], **tol)
+            for a, b in zip(compiled["params"], eager["params"], strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **tol)
+        else:
+            assert compiled["losses"] == eager["losses"], (rank, compiled["losses"])
+            assert compiled["params"] == eager["params"], rank
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s["backend"] == "aot_eager"])
+def test_fullgraph_graph_listing(results, name):
+    """The collectives and copies are in the graphs AOT autograd compiled."""
+    spec = SCENARIOS[name]
+    if spec["ac"] and _torch_version() < AC_NEEDS:
+        pytest.skip("activation checkpointing under traced hooks needs torch 2.15 (see parity)")
+    graphs = results[0][name]["compiled"]["graphs"]
+    forward = [op for g in graphs if g["kind"] == "forward" for op in g["ops"]]
+    backward = [op for g in graphs if g["kind"] == "backward" for op in g["ops"]]
+    assert _count(forward, GATHER) == GROUPS, forward
+    assert _count(backward, REDUCE) == GROUPS, backward
+    regathers = _count(backward, GATHER)
+    assert regathers == (GROUPS if spec["raf"] else 0), backward
+    # Resharding after forward, the forward graph saves no unsharded parameter
+    # (it is gathered again); else it keeps them, as eager does.
+    saved = sum(g["saves_unsharded"] for g in graphs if g["kind"] == "forward")
+    assert (saved == 0) if spec["raf"] else (saved > 0), saved
+
+
+@pytest.fixture
+def fake_pg():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
+    yield WORLD_SIZE
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def _model(world_size: int, **spec):
+    from fsdp_rs import MixedPrecisionPolicy, fully_shard
+
+    return sharded_model({**BASE, **spec}, fully_shard, MixedPrecisionPolicy, world_size)
+
+
+def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
+    from fsdp_rs import CPUOffloadPolicy, fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard([model[0], model[1]])
+    fully_shard(model)
+    with pytest.raises(ValueError, match="several modules in one fully_shard call"):
+        model.set_fullgraph_compile()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0], offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(ValueError, match="Linear: it offloads to CPU"):
+        model.set_fullgraph_compile()
+    model = _model(fake_pg)
+    model.set_fullgraph_compile()  # the root now: a nested module is not one
+    with pytest.raises(ValueError, match="must be called on the root"):
+        model.blocks[0].set_fullgraph_compile()
+    with pytest.raises(TypeError, match="must be a bool"):
+        model.set_fullgraph_compile("yes")
+
+
+def test_fullgraph_names_a_flag_it_does_not_follow(fake_pg):
+    """Gradient sync off: the traced hooks cannot accumulate without reducing, so
+    the hooks run eager and fullgraph=True says why."""
+    model = _model(fake_pg, loop=False)
+    model.set_fullgraph_compile()
+    model.set_requires_gradient_sync(False)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="gradient sync is off"):
+        compiled(tokens(0, 0))
+
+
+def test_fullgraph_off_again_is_level_one(fake_pg):
+    """set_fullgraph_compile(False) restores the eager hooks: fullgraph=True
+    fails at the first hook as before, and the root's forward is its own."""
+    model = _model(fake_pg, loop=False)
+    model.set_fullgraph_compile()
+    assert "forward" in vars(model)
+    model.set_fullgraph_compile(False)
+    assert "forward" not in vars(model)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="set_fullgraph_compile"):
+        compiled(tokens(0, 0))
+
+
+def test_fullgraph_eager_calls_stay_eager(fake_pg):
+    """With traced hooks on, calling the model without compile runs the eager
+    state machine: same losses and gradients as a model without them."""
+    losses = []
+    for traced in (False, True):
+        model = _model(fake_pg, loop=False)
+        if traced:
+            model.set_fullgraph_compile()
+        loss = model(tokens(0, 0)).float().pow(2).mean()
+        loss.backward()
+        losses.append((loss.item(), [p.grad.to_local().clone() for p in model.parameters()]))
+    assert losses[0][0] == losses[1][0]
+    assert all(map(torch.equal, losses[0][1], losses[1][1]))
