@@ -217,6 +217,58 @@ def _dynamo_counts(backend: CountingBackend | None) -> dict[str, int]:
     }
 
 
+def _events(profiler) -> list:
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    events = []
+    while stack:
+        event = stack.pop()
+        events.append(event)
+        stack.extend(event.children)
+    return events
+
+
+def step_memory(spec: dict, world_size: int, compile_fn: Callable | None) -> tuple[int, int, int]:
+    """Graphs compiled, and bytes allocated over the last of three steps: net
+    after forward, and the step's peak; see [Note: Measuring memory under
+    compile] (tests/test_compile.py). ``compile_fn(model, backend)``: what to
+    call for a compiled step (None: eager)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fsdp_rs import MixedPrecisionPolicy, fully_shard
+
+    torch._dynamo.reset()
+    backend = CountingBackend(spec["backend"])
+    # Profiled from the model's creation: the profiler knows the size of what it saw allocated.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        model = sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size)
+        run = compile_fn(model, backend) if compile_fn is not None else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            with record_function(f"forward {step}"):
+                loss = run(tokens(step, 0)).float().pow(2).mean()
+            with record_function(f"rest {step}"):
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad()
+    events = _events(profiler)
+    spans = {e.name: (e.start_time_ns, e.start_time_ns + e.duration_time_ns) for e in events}
+    (start, forward_end), (_, end) = spans["forward 2"], spans["rest 2"]
+    allocs = sorted(
+        (e.start_time_ns, e.extra_fields.alloc_size)
+        for e in events
+        if e.tag == _EventType.Allocation and start <= e.start_time_ns <= end
+    )
+    total = peak = after_forward = 0
+    for t, size in allocs:
+        total += size
+        peak = max(peak, total)
+        if t <= forward_end:
+            after_forward = total
+    return backend.graphs, after_forward, peak
+
+
 def train(spec: dict, library: str, world_size: int, rank: int, compiled: bool) -> dict:
     """Losses, final full parameters and, compiled, Dynamo's counts."""
     from torch._dynamo.utils import counters

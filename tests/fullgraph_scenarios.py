@@ -78,7 +78,17 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return name if "c10d" in name or "fsdp_rs" in name else None
 
 
-_VIEWS = ("view", "as_strided", "t.default", "transpose", "permute", "alias", "reshape")
+_VIEWS = (
+    "view",
+    "as_strided",
+    "t.default",
+    "transpose",
+    "permute",
+    "alias",
+    "reshape",
+    "split",
+    "getitem",
+)
 
 
 def _from_unshard(node: torch.fx.Node) -> bool:

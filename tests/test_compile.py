@@ -47,6 +47,7 @@ from compile_scenarios import (
     CountingBackend,
     compile_model,
     sharded_model,
+    step_memory,
     tokens,
     worker,
 )
@@ -155,54 +156,9 @@ def fake_pg():
     torch._dynamo.reset()
 
 
-def _events(profiler) -> list:
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    events = []
-    while stack:
-        event = stack.pop()
-        events.append(event)
-        stack.extend(event.children)
-    return events
-
-
 def _memory(spec: dict, compiled: bool, world_size: int) -> tuple[int, int, int]:
-    """Graphs compiled, and bytes allocated over the last of three steps: net
-    after forward, and the step's peak; see [Note: Measuring memory under compile]."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from fsdp_rs import MixedPrecisionPolicy, fully_shard
-
-    torch._dynamo.reset()
-    backend = CountingBackend(spec["backend"])
-    # Profiled from the model's creation: the profiler knows the size of what it saw allocated.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        model = sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size)
-        run = compile_model(model, spec, backend) if compiled else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            with record_function(f"forward {step}"):
-                loss = run(tokens(step, 0)).float().pow(2).mean()
-            with record_function(f"rest {step}"):
-                loss.backward()
-                del loss
-                opt.step()
-                opt.zero_grad()
-    events = _events(profiler)
-    spans = {e.name: (e.start_time_ns, e.start_time_ns + e.duration_time_ns) for e in events}
-    (start, forward_end), (_, end) = spans["forward 2"], spans["rest 2"]
-    allocs = sorted(
-        (e.start_time_ns, e.extra_fields.alloc_size)
-        for e in events
-        if e.tag == _EventType.Allocation and start <= e.start_time_ns <= end
-    )
-    total = peak = after_forward = 0
-    for t, size in allocs:
-        total += size
-        peak = max(peak, total)
-        if t <= forward_end:
-            after_forward = total
-    return backend.graphs, after_forward, peak
+    run = (lambda model, backend: compile_model(model, spec, backend)) if compiled else None
+    return step_memory(spec, world_size, run)
 
 
 @pytest.mark.parametrize("config", list(MEMORY))

@@ -74,10 +74,10 @@ def _count(ops: list[str], sequence: list[str]) -> int:
     return count
 
 
-# torch < 2.15's AOT autograd saves the DeviceMesh of a DTensor's to_local for
-# backward beside tensors when a checkpointed region follows, and then asserts
-# (torch 2.15 does not): activation checkpointing inside the blocks needs 2.15.
-AC_NEEDS = (2, 15)
+# torch 2.13's AOT autograd (not 2.9's, not 2.15's) saves the DeviceMesh of a
+# DTensor's to_local for backward beside the tensors when the blocks checkpoint
+# their activations, then asserts that it saved tensors only.
+AC_BROKEN = ((2, 13),)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -90,7 +90,7 @@ def test_fullgraph_parity(results, name):
     spec = SCENARIOS[name]
     for rank, per_rank in enumerate(results):
         result = per_rank[name]
-        if spec["ac"] and _torch_version() < AC_NEEDS:
+        if spec["ac"] and _torch_version() in AC_BROKEN:
             assert "tensors_saved_with_vc_check" in result.get("error", ""), result
             continue
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
@@ -110,8 +110,8 @@ def test_fullgraph_parity(results, name):
 def test_fullgraph_graph_listing(results, name):
     """The collectives and copies are in the graphs AOT autograd compiled."""
     spec = SCENARIOS[name]
-    if spec["ac"] and _torch_version() < AC_NEEDS:
-        pytest.skip("activation checkpointing under traced hooks needs torch 2.15 (see parity)")
+    if spec["ac"] and _torch_version() in AC_BROKEN:
+        pytest.skip("activation checkpointing under traced hooks fails in torch 2.13 (see parity)")
     graphs = results[0][name]["compiled"]["graphs"]
     forward = [op for g in graphs if g["kind"] == "forward" for op in g["ops"]]
     backward = [op for g in graphs if g["kind"] == "backward" for op in g["ops"]]
@@ -197,3 +197,35 @@ def test_fullgraph_eager_calls_stay_eager(fake_pg):
         losses.append((loss.item(), [p.grad.to_local().clone() for p in model.parameters()]))
     assert losses[0][0] == losses[1][0]
     assert all(map(torch.equal, losses[0][1], losses[1][1]))
+
+
+def _traced(model, backend):
+    model.set_fullgraph_compile()
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"backend": "aot_eager", "loop": False},
+        {"backend": "aot_eager", "bf16": True, "raf": False},
+        {"backend": "inductor", "loop": False},
+    ],
+    ids=["aot_eager_raf", "aot_eager_bf16_noraf", "inductor_raf"],
+)
+def test_fullgraph_memory_not_above_eager(fake_pg, config):
+    """Bytes held after forward and at the step's peak, compiled with traced
+    hooks against eager fsdp-rs ([Note: Measuring memory under compile])."""
+    from compile_scenarios import step_memory
+
+    spec = {**BASE, **config}
+    _, *eager = step_memory(spec, fake_pg, None)
+    graphs, *compiled = step_memory(spec, fake_pg, _traced)
+    assert graphs >= 1, f"{config}: nothing was compiled"
+    # aot_eager runs the graphs' ops in eager's order: no byte more. Inductor
+    # schedules and plans buffers its own way; it is held to the project's
+    # memory bound (+1% or +1 MiB). Measured (torch 2.13): aot_eager equal to
+    # eager in both phases; inductor 65,956 / 89,708 B against 66,388 / 87,704.
+    slack = 0 if config["backend"] == "aot_eager" else max(eager[1] // 100, 2**20)
+    for phase, a, b in zip(("after forward", "peak"), compiled, eager, strict=True):
+        assert 0 < a <= b + slack, f"{config}: {phase}: {a} B compiled, {b} B eager"

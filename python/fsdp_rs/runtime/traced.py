@@ -85,9 +85,8 @@ class TracedGroup:
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
         plan = group.plan
         self.unsharded_numel = plan.unsharded_numel
-        shapes, strides = group._unsharded_shapes()
-        self.unsharded = list(
-            zip(plan.unsharded_offsets.tolist(), map(tuple, shapes), strides, strict=True)
+        self.split_sizes, self.pieces, self.shapes = _pieces(
+            plan.unsharded_offsets.tolist(), *group._unsharded_shapes(), self.unsharded_numel
         )
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
@@ -122,6 +121,36 @@ class TracedGroup:
     def register(self, objects: list[torch.Tensor]) -> None:
         for module, name, i in self.slots:
             module._parameters[name] = objects[i]
+
+
+def _pieces(
+    offsets: list[int], shapes: list, strides: list, numel: int
+) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+    """The unsharded buffer as consecutive pieces (parameters and the gaps
+    between them): the pieces' sizes, which piece each parameter is, and the
+    parameters' shapes.
+
+    [Note: Unsharded views]
+    The unsharded parameters are pieces of one ``split_with_sizes`` of the
+    buffer, viewed in their shapes. Its gradient formula concatenates the
+    pieces' gradients once; per-parameter ``as_strided`` views (what eager
+    aliases) would each have autograd build a zero buffer of the whole group
+    for its gradient, one per parameter."""
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    sizes, piece = [], [0] * len(offsets)
+    position = 0
+    for i in order:
+        shape = tuple(shapes[i])
+        if tuple(strides[i]) != tuple(torch.empty(shape, device="meta").stride()):
+            raise ValueError(f"parameter {i} of shape {shape} is not contiguous unsharded")
+        if offsets[i] > position:
+            sizes.append(offsets[i] - position)
+        piece[i] = len(sizes)
+        sizes.append(math.prod(shape))
+        position = offsets[i] + sizes[-1]
+    if numel > position:
+        sizes.append(numel - position)
+    return sizes, piece, [tuple(s) for s in shapes]
 
 
 def _groups(state) -> tuple:
@@ -239,9 +268,9 @@ def _recompute_all():
     )
 
 
-def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
-    """The group's unsharded buffer: all-gather and copy-out, differentiable
-    for ``local`` (the sharded parameters' local tensors)."""
+def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) -> list:
+    """The group's unsharded parameters: all-gather, copy-out and views,
+    differentiable for ``local`` (the sharded parameters' local tensors)."""
     group = traced.group
     source = sharded if sharded.dtype == group.param_dtype else sharded.to(group.param_dtype)
     if traced.world > 1:
@@ -250,7 +279,7 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         ag = functional.wait_tensor(ag).view(traced.world, -1)
     else:
         ag = source.view(1, -1)
-    return unshard_copy_out(
+    flat = unshard_copy_out(
         ag,
         list(local),
         *traced.tables,
@@ -263,6 +292,8 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.post_divide,
         group.reduce_dtype,
     )
+    pieces = flat.split_with_sizes(traced.split_sizes)  # [Note: Unsharded views]
+    return [pieces[k].view(shape) for k, shape in zip(traced.pieces, traced.shapes, strict=True)]
 
 
 def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
@@ -272,12 +303,12 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
         return registered
     local = [p.to_local() for p in group.sharded_params]
     if group.reshard_after_forward is not False and torch.is_grad_enabled():
-        flat = checkpoint(
+        views = checkpoint(
             _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
         )
     else:
-        flat = _gather(traced, group.sharded, *local)
-    return [flat.as_strided(shape, stride, offset) for offset, shape, stride in traced.unsharded]
+        views = _gather(traced, group.sharded, *local)
+    return views
 
 
 def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
