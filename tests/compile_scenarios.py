@@ -302,12 +302,17 @@ def train(spec: dict, library: str, world_size: int, rank: int, compiled: bool) 
     return result
 
 
-def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+def init_rank(rank: int, world_size: int, port: int) -> None:
+    """A spawned compile rank: gloo, one thread (the ranks share the cores)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
     )
     torch.set_num_threads(1)
+
+
+def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    init_rank(rank, world_size, port)
     results: dict[str, Any] = {}
     eager: dict[tuple, dict] = {}  # the reference, per model and sharding options
     for name in names:

@@ -50,3 +50,16 @@ def pytest_sessionstart(session):
                 f"({where}); uninstall the editable install or unset PYTHONPATH",
                 returncode=4,
             )
+
+
+@pytest.fixture
+def fake_pg():
+    """Rank 0 of a fake process group of 2 (no data moves), for the compile
+    memory tests; a module may define its own."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield 2
+    dist.destroy_process_group()
+    torch._dynamo.reset()

@@ -13,8 +13,6 @@ compiled at the first step and at all (the later steps run with
 
 from __future__ import annotations
 
-import datetime
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compile_scenarios import BASE, LAYERS, Model, sharded_model, tokens
+from compile_scenarios import BASE, LAYERS, Model, init_rank, sharded_model, tokens
 from spawned import finish
 
 STEPS = 5
@@ -183,11 +181,7 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-    )
-    torch.set_num_threads(1)
+    init_rank(rank, world_size, port)
     results: dict[str, Any] = {}
     for name in names:
         try:

@@ -36,15 +36,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_scenarios import (
     BASE,
     FAST,
     SCENARIOS,
-    CountingBackend,
     compile_model,
     sharded_model,
     step_memory,
@@ -146,14 +143,6 @@ MEMORY = {
     },
     "model_inductor_unrolled_ac": SCENARIOS["model_inductor_unrolled_ac"],
 }
-
-
-@pytest.fixture
-def fake_pg():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    yield WORLD_SIZE
-    dist.destroy_process_group()
-    torch._dynamo.reset()
 
 
 def _memory(spec: dict, compiled: bool, world_size: int) -> tuple[int, int, int]:

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_scenarios import BASE, LAYERS, sharded_model, tokens
@@ -123,14 +122,6 @@ def test_fullgraph_graph_listing(results, name):
     # (it is gathered again); else it keeps them, as eager does.
     saved = sum(g["saves_unsharded"] for g in graphs if g["kind"] == "forward")
     assert (saved == 0) if spec["raf"] else (saved > 0), saved
-
-
-@pytest.fixture
-def fake_pg():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    yield WORLD_SIZE
-    dist.destroy_process_group()
-    torch._dynamo.reset()
 
 
 def _model(world_size: int, **spec):

@@ -74,8 +74,8 @@ __all__ = ["TracedGroup", "disable", "enable"]
 
 class TracedGroup:
     """What the traced hooks read of one group, as plain Python values made
-    eagerly (Dynamo cannot read the planner's arrays), and the unsharded
-    parameters of the trace in progress."""
+    eagerly (Dynamo cannot read the planner's arrays), and the registration
+    slots they write."""
 
     def __init__(self, group, module) -> None:
         self.group = group
@@ -438,7 +438,10 @@ def enable(root) -> None:
     for state in context.states:
         state.use_hooks(*_dispatch(state))
     module = root.modules[0]
-    if "forward" not in vars(module):  # [Note: The root's groups in its forward]
+    own = vars(module)
+    if own.get("forward") is not own.get("_fsdp_rs_traced_forward", False):
+        # [Note: The root's groups in its forward] (over a forward set on the instance too)
+        module._fsdp_rs_own_forward = own.get("forward")
         module.forward = _root_forward(root, module.forward)
         module._fsdp_rs_traced_forward = module.forward
 
@@ -456,5 +459,10 @@ def disable(root) -> None:
     own = vars(module)
     if "_fsdp_rs_traced_forward" in own:
         if own.get("forward") is own["_fsdp_rs_traced_forward"]:
-            del module.forward
+            previous = own.pop("_fsdp_rs_own_forward")
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        own.pop("_fsdp_rs_own_forward", None)
         del module._fsdp_rs_traced_forward
