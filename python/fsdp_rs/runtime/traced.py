@@ -29,8 +29,9 @@ bit.
   gathers again (the min-cut partitioner of ``aot_eager`` and inductor does
   this; an int all-gathers over the whole shard group, as True). ``False``:
   the unsharded buffer is saved, as eager keeps it.
-- After the group's forward the sharded parameters are registered again; the
-  root's post-forward ends the trace's bookkeeping.
+- The root's own groups are gathered inside its forward, and at the end of
+  that forward every group's sharded parameters are registered again ([Note:
+  The root's groups in its forward]).
 
 What SimpleFSDP (torchtitan) and the traceable-FSDP2 work taught: keep the
 collectives functional and the copies functional custom ops with autograd
