@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compile_scenarios import (
     BASE,
     FAST,
+    INDUCTOR_TOLERANCE,
     SCENARIOS,
     compile_model,
     sharded_model,
@@ -52,10 +53,6 @@ from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZE = 2
 SLOW = [name for name in SCENARIOS if name not in FAST]
-INDUCTOR_TOLERANCE = {
-    False: {"rtol": 1e-5, "atol": 1e-6},  # fp32
-    True: {"rtol": 1e-2, "atol": 1e-3},  # bf16 parameters, fp32 reduction
-}
 
 
 def _spawn(tmp_path_factory, names: list[str], tag: str) -> list[dict]:

@@ -31,15 +31,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_scenarios import BASE, LAYERS, sharded_model, tokens
+from compile_scenarios import BASE, INDUCTOR_TOLERANCE, LAYERS, sharded_model, tokens
 from fullgraph_scenarios import SCENARIOS, worker
 from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZE = 2
-INDUCTOR_TOLERANCE = {
-    False: {"rtol": 1e-5, "atol": 1e-6},
-    True: {"rtol": 1e-2, "atol": 1e-3},
-}
 GROUPS = LAYERS + 1  # a group per block and the root's
 GATHER = [
     "_c10d_functional.all_gather_into_tensor.default",

@@ -89,7 +89,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.rows, ctx.row_numel = ag.shape
     ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
     (
-        ctx.unsharded_numel,
+        _,
         ctx.offsets,
         _,
         ctx.group_name,

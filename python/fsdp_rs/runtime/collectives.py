@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Division", "all_gather", "gradient_division", "reduce_scatter"]
+__all__ = [
+    "Division",
+    "all_gather",
+    "gradient_division",
+    "reduce_scatter",
+    "unreduced_post_divide",
+]
 
 # torch >= 2.13 names the flat-tensor collectives *_single; older ones only
 # have the *_into_tensor / *_tensor names (deprecated since).
@@ -63,3 +69,9 @@ def gradient_division(
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     return Division(float(pre), float(factor / pre), sum_op, sum_op)
+
+
+def unreduced_post_divide(division: Division, factor: float | None) -> float:
+    """The post-divide of a single-rank group, which runs no collective: a
+    custom divide factor is divided by alone, as FSDP2 does."""
+    return factor if factor is not None and division.post == 1.0 else division.post

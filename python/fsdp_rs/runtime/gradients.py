@@ -133,7 +133,11 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.collectives import gradient_division, reduce_scatter
+from fsdp_rs.runtime.collectives import (
+    gradient_division,
+    reduce_scatter,
+    unreduced_post_divide,
+)
 from fsdp_rs.runtime.nd import DTensorParam
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 
@@ -491,8 +495,7 @@ class GradientReduction:
                     )
             else:
                 output = rs_in[0]
-                if self.gradient_divide_factor is not None and post == 1.0:
-                    post = self.gradient_divide_factor  # no collective: FSDP2 divides by it alone
+                post = unreduced_post_divide(division, self.gradient_divide_factor)
             rs_event = streams.record(rs_stream)
             if info.replicate_group is not None:
                 # [No all-reduce] the replicas' partial gradients are summed here

@@ -89,7 +89,6 @@ class Context:
         # A traced forward of the root is in progress ([Note: Traced hooks]).
         self.tracing = False
         self.root_traced = False  # the root's pre-forward took the traced hooks
-        self.traced_groups: list = []
 
 
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:

@@ -66,7 +66,8 @@ from torch.utils.checkpoint import (
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import unshard_copy_out
-from fsdp_rs.runtime.collectives import gradient_division
+from fsdp_rs.runtime.collectives import unreduced_post_divide
+from fsdp_rs.runtime.plan_check import groups_of
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
 from fsdp_rs.runtime.unshard import ShardedState
 
@@ -86,8 +87,9 @@ class TracedGroup:
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
         plan = group.plan
         self.unsharded_numel = plan.unsharded_numel
+        shapes, _ = group._unsharded_shapes()  # contiguous: a plain group's are
         self.split_sizes, self.pieces, self.shapes = _pieces(
-            plan.unsharded_offsets.tolist(), *group._unsharded_shapes(), self.unsharded_numel
+            plan.unsharded_offsets.tolist(), shapes, self.unsharded_numel
         )
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
@@ -113,7 +115,7 @@ class TracedGroup:
         group = self.group
         self.factor = group.gradient_divide_factor
         self.force_sum = group.force_sum_reduction
-        self.reduce_op, self.pre_divide, self.post_divide = _reduction(group, self.world)
+        self.reduce_op, self.pre_divide, self.post_divide = _reduction(group)
 
     def registered(self) -> list[torch.Tensor]:
         """The object registered for each parameter (its first slot)."""
@@ -125,7 +127,7 @@ class TracedGroup:
 
 
 def _pieces(
-    offsets: list[int], shapes: list, strides: list, numel: int
+    offsets: list[int], shapes: list, numel: int
 ) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
     """The unsharded buffer as consecutive pieces (parameters and the gaps
     between them): the pieces' sizes, which piece each parameter is, and the
@@ -141,24 +143,14 @@ def _pieces(
     sizes, piece = [], [0] * len(offsets)
     position = 0
     for i in order:
-        shape = tuple(shapes[i])
-        if tuple(strides[i]) != tuple(torch.empty(shape, device="meta").stride()):
-            raise ValueError(f"parameter {i} of shape {shape} is not contiguous unsharded")
         if offsets[i] > position:
             sizes.append(offsets[i] - position)
         piece[i] = len(sizes)
-        sizes.append(math.prod(shape))
+        sizes.append(math.prod(shapes[i]))
         position = offsets[i] + sizes[-1]
     if numel > position:
         sizes.append(numel - position)
     return sizes, piece, [tuple(s) for s in shapes]
-
-
-def _groups(state) -> tuple:
-    group = state.group
-    if group is None:
-        return ()
-    return getattr(group, "groups", (group,))
 
 
 def _static_reason(state, group) -> str | None:
@@ -212,23 +204,18 @@ _FALLBACK_PRE = {key: _fallback(_eager_pre, key) for key in _REASONS}
 _FALLBACK_POST = _fallback(_eager_post, "root")
 
 
-def _reduction(group, shard_size: int) -> tuple[str, float, float]:
-    """(reduce-scatter op, pre-divide, post-divide) as the eager post-backward
-    divides ([Note: Gradient division]); op "" where it is a pre-multiplied sum."""
+def _reduction(group) -> tuple[str, float, float]:
+    """(reduce-scatter op, pre-divide, post-divide) of the eager post-backward
+    (``_division``, [Note: Gradient division]); op "" where it is a
+    pre-multiplied sum, which the functional collective cannot take."""
     import torch.distributed as dist
 
-    factor = group.gradient_divide_factor
-    division = gradient_division(
-        group.reduce_dtype, shard_size, 1, factor, group.force_sum_reduction
-    )
+    division = group._division()
+    if group.info.shard_size == 1:  # no collective
+        return "sum", division.pre, unreduced_post_divide(division, group.gradient_divide_factor)
     op = division.reduce_scatter_op
     name = "sum" if op == dist.ReduceOp.SUM else "avg" if op == dist.ReduceOp.AVG else ""
-    post = division.post
-    if shard_size == 1:
-        name = "sum"
-        if factor is not None and post == 1.0:
-            post = factor  # no collective: the eager path divides by it alone
-    return name, division.pre, post
+    return name, division.pre, division.post
 
 
 def _why_not(context) -> str | None:
@@ -366,8 +353,7 @@ def _root_forward(state, forward):
         for traced in state.traced_groups:
             traced.register(_unshard(traced))
         output = forward(*args, **kwargs)
-        for traced in context.traced_groups:
-            traced.register(traced.group.sharded_params)
+        _register_sharded(context)
         context.tracing = False
         return output
 
@@ -393,10 +379,16 @@ def _dispatch(state):
     return pre, post
 
 
+def _register_sharded(context) -> None:
+    """Every group's sharded parameters registered again."""
+    for state in context.states:
+        for traced in state.traced_groups:
+            traced.register(traced.group.sharded_params)
+
+
 def _mixed(context) -> None:
     context.tracing = False
-    for traced in context.traced_groups:
-        traced.register(traced.group.sharded_params)
+    _register_sharded(context)
     raise RuntimeError(
         "fsdp_rs: a fully_shard module ran its forward eager inside a root forward "
         "that torch.compile traced (Dynamo ran part of the forward eager after a graph "
@@ -418,7 +410,7 @@ def enable(root) -> None:
     context = root.context
     problems = []
     for state in context.states:
-        for group in _groups(state):
+        for group in groups_of(state):
             why = _static_reason(state, group)
             if why is not None:
                 names = ", ".join(type(m).__name__ for m in state.modules)
@@ -429,14 +421,8 @@ def enable(root) -> None:
             + "; ".join(problems)
             + ". Compile without it (the hooks then run eager, with a graph break at each)"
         )
-    context.traced_groups = []
     for state in context.states:
-        state.traced_groups = []
-        for group in _groups(state):
-            traced = TracedGroup(group, state.modules[0])
-            state.traced_groups.append(traced)
-            context.traced_groups.append(traced)
-    for state in context.states:
+        state.traced_groups = [TracedGroup(g, state.modules[0]) for g in groups_of(state)]
         state.use_hooks(*_dispatch(state))
     module = root.modules[0]
     own = vars(module)
@@ -452,7 +438,6 @@ def disable(root) -> None:
     context = root.context
     if context is None:
         return
-    context.traced_groups = []
     for state in context.states:
         state.traced_groups = []
         state.use_hooks(state.pre_forward, state.post_forward)
