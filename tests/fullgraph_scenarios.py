@@ -180,9 +180,23 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     return result
 
 
+def disagreement(world_size: int, rank: int) -> dict:
+    """``set_fullgraph_compile`` where the last rank turned gradient sync off:
+    what each rank raised ([Note: One decision for all ranks])."""
+    model = _model(FULLGRAPH_BASE, world_size)
+    model(tokens(0, rank))  # lazy init (its plan check) before the flags differ
+    if rank == world_size - 1:
+        model.set_requires_gradient_sync(False)
+    try:
+        model.set_fullgraph_compile()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
     init_rank(rank, world_size, port)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"disagreement": disagreement(world_size, rank)}
     for name in names:
         try:
             spec = SCENARIOS[name]

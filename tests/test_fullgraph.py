@@ -120,6 +120,18 @@ def test_fullgraph_graph_listing(results, name):
     assert (saved == 0) if spec["raf"] else (saved > 0), saved
 
 
+def test_set_fullgraph_compile_raises_on_every_rank_where_they_disagree(results):
+    """Rank 1 has gradient sync off (eager hooks), rank 0 not (traced): both
+    raise, naming each rank's path, instead of issuing other collectives."""
+    for rank, per_rank in enumerate(results):
+        raised = per_rank["disagreement"]
+        assert raised["type"] == "RuntimeError", (rank, raised)
+        message = raised["message"]
+        assert "the ranks would not take the same path" in message, message
+        assert "rank 0: traced hooks" in message, message
+        assert "rank 1: eager hooks: gradient sync is off" in message, message
+
+
 def _model(world_size: int, **spec):
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
 

@@ -60,7 +60,15 @@ from fsdp_rs.runtime.collectives import all_gather
 from fsdp_rs.runtime.mesh import MeshInfo
 from fsdp_rs.runtime.params import state_of
 
-__all__ = ["ENV_VAR", "PlanMismatchError", "check_plans", "enabled"]
+__all__ = [
+    "ENV_VAR",
+    "PlanMismatchError",
+    "check_plans",
+    "enabled",
+    "gather_objects",
+    "mesh_dims",
+    "per_rank",
+]
 
 ENV_VAR = "FSDP_RS_CHECK_PLANS"
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -88,7 +96,7 @@ def check_plans(root, states: Sequence[Any]) -> None:
     # The mesh given to the root's fully_shard (the root state comes first), on
     # every rank the same process groups whatever meshes the states below use.
     info = states[0].mesh_info
-    dims = _mesh_dims(info)
+    dims = mesh_dims(info)
     if not dims:
         return
     names = _module_names(root, states)
@@ -113,7 +121,7 @@ def groups_of(state) -> tuple:
     return group.groups if isinstance(group, GroupBundle) else (group,)
 
 
-def _mesh_dims(info: MeshInfo) -> list[dist.ProcessGroup]:
+def mesh_dims(info: MeshInfo) -> list[dist.ProcessGroup]:
     """The mesh dims the check runs over: shard, then replicate, each with more
     than one rank; none on a fake process group."""
     dims = [(info.shard_group, info.shard_size), (info.replicate_group, info.replicate_size)]
@@ -225,7 +233,7 @@ def _gather_values(value: int, dims: Sequence[dist.ProcessGroup], device: torch.
     return t.tolist()
 
 
-def _gather_objects(obj: Any, dims: Sequence[dist.ProcessGroup]) -> list:
+def gather_objects(obj: Any, dims: Sequence[dist.ProcessGroup]) -> list:
     """Every mesh rank's ``(global rank, obj)``, ordered by rank."""
     items = [(dist.get_rank(), obj)]
     for pg in dims:
@@ -283,7 +291,7 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def _per_rank(values: list[tuple[int, Any]]) -> str:
+def per_rank(values: list[tuple[int, Any]]) -> str:
     """One line per distinct value, naming the ranks that hold it."""
     holders: dict[str, list[int]] = {}
     for rank, value in values:
@@ -325,10 +333,10 @@ def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str
             return f"{_modules_text(d['modules'])} ({len(d['params'])} parameters)"
 
         where = f"the fully_shard module at position {index} under the root{named}"
-        return where + ":" + _per_rank([(r, listing(d)) for r, d in details])
+        return where + ":" + per_rank([(r, listing(d)) for r, d in details])
     if any(d["modules"] != present[0]["modules"] for d in present):
         where = f"the fully_shard module at position {index} under the root"
-        return where + ":" + _per_rank([(r, _modules_text(d["modules"])) for r, d in details])
+        return where + ":" + per_rank([(r, _modules_text(d["modules"])) for r, d in details])
     group = _modules_text(present[0]["modules"])
     by_fqn = [{p[0]: p for p in d["params"]} for d in present]
     fqns = list(dict.fromkeys(p[0] for d in present for p in d["params"]))
@@ -337,11 +345,11 @@ def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str
             (r, _param_text(table.get(fqn))) for (r, _), table in zip(details, by_fqn, strict=True)
         ]
         if len({v for _, v in values}) > 1:
-            return f"{group}, parameter {fqn!r}:" + _per_rank(values)
+            return f"{group}, parameter {fqn!r}:" + per_rank(values)
     for key in dict.fromkeys(key for d in present for key, _ in d["settings"]):
         values = [(r, dict(d["settings"]).get(key)) for r, d in details]
         if len({str(v) for _, v in values}) > 1:
-            return f"{group} ({_listed(present[0]['params'])}), {key}:" + _per_rank(values)
+            return f"{group} ({_listed(present[0]['params'])}), {key}:" + per_rank(values)
     orders = [(r, [p[0] for p in d["params"]]) for r, d in details]
     for position in range(max(len(o) for _, o in orders)):
         at = [(r, o[position] if position < len(o) else None) for r, o in orders]
@@ -349,19 +357,19 @@ def _first_difference(details: list[tuple[int, dict | None]], index: int) -> str
             first = at[0][1]
             return (
                 f"{group}, parameter {first!r}: the parameters are registered in another "
-                f"order; parameter {position} of the group is" + _per_rank(at)
+                f"order; parameter {position} of the group is" + per_rank(at)
             )
     kinds = [(r, [plan[0] for plan in d["plans"]]) for r, d in details]
     if len({str(k) for _, k in kinds}) > 1:  # [Note: All-gather extensions]
         return (
             f"{group} ({_listed(present[0]['params'])}): all-gather extensions "
             "(fsdp_pre_all_gather) are set on the local "
-            "shards of some ranks only; set them on every rank:" + _per_rank(kinds)
+            "shards of some ranks only; set them on every rank:" + per_rank(kinds)
         )
     plans = [(r, f"plan digests {d['plans']}") for r, d in details]
     return (
         f"{group}: the plans differ although the parameters agree (are all ranks "
-        "running the same fsdp-rs build?):" + _per_rank(plans)
+        "running the same fsdp-rs build?):" + per_rank(plans)
     )
 
 
@@ -371,7 +379,7 @@ def _mismatch_message(
     per_state: list[bytes],
     dims: Sequence[dist.ProcessGroup],
 ) -> str:
-    overview = _gather_objects((names, per_state), dims)
+    overview = gather_objects((names, per_state), dims)
     longest = max(len(d) for _, (_, d) in overview)
     index = next(
         (
@@ -385,7 +393,7 @@ def _mismatch_message(
         difference = "the digests, although no state differs (please report this)"
     else:
         mine = _details(states[index], names[index]) if index < len(states) else None
-        difference = _first_difference(_gather_objects(mine, dims), index)
+        difference = _first_difference(gather_objects(mine, dims), index)
     lines = [
         "fsdp_rs: the ranks planned different fully_shard groups, so their collectives "
         "would not match (gloo aborts, NCCL hangs or reads garbage). Checked at the root's "

@@ -67,7 +67,13 @@ from torch.utils.checkpoint import (
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import unshard_copy_out
 from fsdp_rs.runtime.collectives import unreduced_post_divide
-from fsdp_rs.runtime.plan_check import groups_of
+from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
+from fsdp_rs.runtime.plan_check import (
+    gather_objects,
+    groups_of,
+    mesh_dims,
+    per_rank,
+)
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
 from fsdp_rs.runtime.unshard import ShardedState
 
@@ -221,8 +227,12 @@ def _reduction(group) -> tuple[str, float, float]:
 def _why_not(context) -> str | None:
     """The first reason (a key of ``_REASONS``) why some group of ``context``
     cannot be traced now, or None."""
-    for state in context.states:
-        for traced in state.traced_groups:
+    return _why_not_groups(state.traced_groups for state in context.states)
+
+
+def _why_not_groups(per_state) -> str | None:
+    for groups in per_state:
+        for traced in groups:
             group = traced.group
             if traced.layout is not group.layout:
                 return "replanned"
@@ -397,6 +407,42 @@ def _mixed(context) -> None:
     )
 
 
+def _agree(root, problems: list[str], why_not: str | None) -> None:
+    """Every rank of the root's mesh takes the same path, or all raise.
+
+    [Note: One decision for all ranks]
+    Whether the traced hooks run is decided per rank, from what it reads: the
+    groups' settings, their flags and ``requires_grad``. Ranks that decided
+    differently would issue other collectives (the traced path's functional ones
+    against the eager hooks' with their gradient agreement) and hang. So
+    ``set_fullgraph_compile`` compares the decisions of all ranks (one
+    ``all_gather_object`` over the mesh, once) and raises on every rank, with
+    each rank's reason, where they differ. Later flag changes are the user's to
+    make on every rank, as for the FSDPModule setters; Dynamo's guards on them
+    recompile each rank on its own, where no collective can be added."""
+    dims = mesh_dims(root.mesh_info) if plan_check_enabled() else []
+    if not dims:
+        return
+    mine = (tuple(problems), why_not)
+    everyone = gather_objects(mine, dims)
+    if len({decision for _, decision in everyone}) == 1:
+        return
+
+    def text(decision) -> str:
+        problems, why = decision
+        if problems:
+            return "cannot trace: " + "; ".join(problems)
+        return "traced hooks" if why is None else f"eager hooks: {_REASONS[why]}"
+
+    raise RuntimeError(
+        "set_fullgraph_compile: the ranks would not take the same path under torch.compile, "
+        "so their collectives would not match:"
+        + per_rank([(r, text(d)) for r, d in everyone])
+        + "\nSet the same flags (set_requires_gradient_sync, hooks, requires_grad...) on "
+        "every rank before calling it"
+    )
+
+
 def enable(root) -> None:
     """Traced hooks for every fully_shard module under ``root`` (an
     ``FSDPState``); see [Note: Traced hooks]."""
@@ -415,14 +461,21 @@ def enable(root) -> None:
             if why is not None:
                 names = ", ".join(type(m).__name__ for m in state.modules)
                 problems.append(f"{names}: {why}")
+    traced = (
+        []
+        if problems
+        else [[TracedGroup(g, s.modules[0]) for g in groups_of(s)] for s in context.states]
+    )
+    why_not = _why_not_groups(traced)
+    _agree(root, problems, why_not)
     if problems:
         raise ValueError(
             "set_fullgraph_compile: these fully_shard groups cannot be traced: "
             + "; ".join(problems)
             + ". Compile without it (the hooks then run eager, with a graph break at each)"
         )
-    for state in context.states:
-        state.traced_groups = [TracedGroup(g, state.modules[0]) for g in groups_of(state)]
+    for state, groups in zip(context.states, traced, strict=True):
+        state.traced_groups = groups
         state.use_hooks(*_dispatch(state))
     module = root.modules[0]
     own = vars(module)
