@@ -348,6 +348,49 @@ def test_cpu_index_cache_keeps_what_fits_and_refuses_the_rest(monkeypatch):
     assert index() is first  # a cached index stays served under a smaller budget
 
 
+def test_cpu_index_cache_counts_its_bytes_under_threads():
+    """Ranks may be threads of one process: threads filling and dropping the
+    cache at once leave its byte count equal to what it holds, and back where
+    it started once their tables are gone."""
+    import gc
+    import sys
+    import threading
+
+    shapes = CASES[next(iter(CASES))]
+    plan = make_plan(shapes, 2, 0, torch.float32, torch.float32, torch.float32)
+    gc.collect()
+    start = _cpu_index._held[0]
+    barrier = threading.Barrier(4)
+    errors = []
+
+    def rank() -> None:
+        try:
+            barrier.wait()
+            for _ in range(50):
+                tables = GroupTables.from_plan(plan, torch.device("cpu"))
+                args = tables.copy_out_args()[:3]
+                assert _cpu_index.reduce_scatter_buffer_index(*args, 2, plan.row_numel) is not None
+                del tables, args
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between bytecodes as often as it can
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    gc.collect()
+    assert not errors, errors
+    held = sum(_cpu_index._nbytes(entry[2]) for entry in _cpu_index._CACHE.values())
+    assert _cpu_index._held[0] == held
+    assert _cpu_index._held[0] == start
+
+
 def test_reduce_scatter_copy_in_triton_reads_strided_and_refuses_bad_gradients():
     """The Triton path's gradient checks are C-level maps over the list ([Note:
     Pointer tables]): a strided gradient is read through a contiguous copy, and

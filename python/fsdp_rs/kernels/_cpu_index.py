@@ -16,11 +16,19 @@ spend, and building one uncached costs several times that for the moment of
 the copy. A table set whose index does not fit (the index functions return
 None) is copied per parameter instead, with strided copies and no index at all: as many ops as
 parameters, no memory beyond the copy's own, the same result bit for bit.
+
+The cache is per process, shared by every model and by ranks that are threads
+of one process: one lock guards it and its byte count. What one model leaves in
+it changes no other model's results (an index is a function of the tables it
+is keyed on, and a table set that does not fit takes the per-parameter path,
+bit for bit the same), only which path a copy takes; a table set's entry goes
+with its tables.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -41,13 +49,15 @@ __all__ = [
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], object]] = {}
 BUDGET = 1 << 20  # bytes of cached indices, in all
 _held = [0]  # bytes cached now
+_LOCK = threading.RLock()  # the cache and _held; reentrant: an eviction callback may run inside
 
 
 def clear() -> None:
     """Drop every cached index (a benchmark measuring one model's memory from a
     clean start calls it; the indices are rebuilt on next use)."""
-    _CACHE.clear()
-    _held[0] = 0
+    with _LOCK:
+        _CACHE.clear()
+        _held[0] = 0
 
 
 def _nbytes(index: object) -> int:
@@ -59,9 +69,10 @@ def _nbytes(index: object) -> int:
 
 
 def _evict(key: tuple) -> None:
-    entry = _CACHE.pop(key, None)
-    if entry is not None:
-        _held[0] -= _nbytes(entry[2])
+    with _LOCK:
+        entry = _CACHE.pop(key, None)
+        if entry is not None:
+            _held[0] -= _nbytes(entry[2])
 
 
 def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], object], rows: int):
@@ -71,19 +82,20 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
     lifetime, so a table set takes one path for as long as it lives."""
     key = (tuple(map(id, tables)), extra)
     versions = tuple(map(_VERSION, tables))
-    hit = _CACHE.get(key)
-    if hit is not None:
-        refs, seen, index = hit
-        if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
-            return index
-    _evict(key)
-    index = build() if _held[0] + 4 * rows <= BUDGET else None
-    if index is not None and _held[0] + _nbytes(index) > BUDGET:
-        index = None
-    refs = tuple(weakref.ref(t, lambda _, key=key: _evict(key)) for t in tables)
-    _CACHE[key] = (refs, versions, index)
-    _held[0] += _nbytes(index)
-    return index
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            refs, seen, index = hit
+            if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
+                return index
+        _evict(key)
+        index = build() if _held[0] + 4 * rows <= BUDGET else None
+        if index is not None and _held[0] + _nbytes(index) > BUDGET:
+            index = None
+        refs = tuple(weakref.ref(t, lambda _, key=key: _evict(key)) for t in tables)
+        _CACHE[key] = (refs, versions, index)
+        _held[0] += _nbytes(index)
+        return index
 
 
 _VERSION = operator.attrgetter("_version")
