@@ -3,8 +3,9 @@
 reduce-scatters in it as functional collectives and the copies as
 ``torch.ops.fsdp_rs`` ops.
 
-Spawned gloo ranks (W = 2) train each scenario of ``fullgraph_scenarios`` for
-five steps eagerly and compiled (``fullgraph=True``). Checked per rank:
+Spawned gloo ranks (W = 2, and W = 4 for one aot_eager scenario) train each
+scenario of ``fullgraph_scenarios`` for five steps eagerly and compiled
+(``fullgraph=True``). Checked per rank:
 
 - compiled equals eager: losses and final parameters bit for bit with the eager
   and aot_eager backends; with inductor to rtol 1e-5 / atol 1e-6 in fp32 and
@@ -16,6 +17,8 @@ five steps eagerly and compiled (``fullgraph=True``). Checked per rank:
   (``fsdp_rs.reduce_scatter_copy_in_flat``, ``_c10d_functional.reduce_scatter_tensor``,
   ``fsdp_rs.post_reduce``), and with ``reshard_after_forward=True`` gathers
   again while the forward saves no unsharded parameter;
+- ranks whose flags differ all raise in ``set_fullgraph_compile``, each rank's
+  path named;
 - the errors and fallbacks: ``set_fullgraph_compile`` names the groups it cannot
   trace; a flag the traced hooks do not follow makes ``fullgraph=True`` fail
   with the reason; memory no higher than eager (fake process group).
@@ -80,8 +83,31 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# At W = 4 the reduce-scatter sums more than two ranks: the traced reduction
+# must add them in eager's order (its input laid out as eager's), bit for bit.
+W4_SCENARIOS = ["aot_eager_raf"]
+
+
+@pytest.fixture(scope="module")
+def results_w4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fullgraph_w4")
+    spawn_scenarios(worker, 4, W4_SCENARIOS, out)
+    return read_ranks(out, 4)
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_fullgraph_parity(results, name):
+    _check_parity(results, name)
+
+
+@pytest.mark.parametrize("name", W4_SCENARIOS)
+def test_fullgraph_parity_W4(results_w4, name):
+    _check_parity(results_w4, name)
+    for per_rank in results_w4:  # the last of four ranks differs: all four raise
+        assert per_rank["disagreement"]["type"] == "RuntimeError", per_rank["disagreement"]
+
+
+def _check_parity(results: list[dict], name: str) -> None:
     spec = SCENARIOS[name]
     for rank, per_rank in enumerate(results):
         result = per_rank[name]
