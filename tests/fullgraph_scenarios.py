@@ -29,7 +29,7 @@ STEPS = 5
 # and "eager" (bit for bit), "inductor"; ``twice``: the first block runs twice
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
 # both synced. The rest as in compile_scenarios.BASE.
-FULLGRAPH_BASE = {**BASE, "how": "model", "twice": False, "accumulate": False}
+FULLGRAPH_BASE = {**BASE, "how": "model", "twice": False, "accumulate": False, "spare": False}
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
     "aot_eager_noraf_bf16": {"backend": "aot_eager", "raf": False, "bf16": True},
@@ -47,6 +47,9 @@ _CONFIGS = {
         "accumulate": True,
     },
     "eager_bf16_raf": {"backend": "eager", "bf16": True},
+    # ``spare``: a parameter in the root's group and one in a block's that the
+    # forward never uses: no gradient for them, as in eager
+    "aot_eager_spare": {"backend": "aot_eager", "spare": True},
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }
@@ -61,10 +64,20 @@ class TwiceModel(Model):
         return self.out(self.norm(second(first(first(self.embed(tokens))))))
 
 
+class SpareModel(Model):
+    """The model with a parameter in the root's group and one in the first
+    block's that its forward never uses."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.spare = torch.nn.Parameter(torch.ones(5))
+        self.blocks[0].spare = torch.nn.Parameter(torch.ones(3, 4))
+
+
 def _model(spec: dict, world_size: int) -> Model:
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
 
-    cls = TwiceModel if spec["twice"] else Model
+    cls = TwiceModel if spec["twice"] else SpareModel if spec["spare"] else Model
     return sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size, cls)
 
 
@@ -165,6 +178,7 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
                 loss = run(tokens(micro * step + k, rank)).float().pow(2).mean()
                 loss.backward()
                 losses.append(loss.item())
+        no_grad = [name for name, p in model.named_parameters() if p.grad is None]
         opt.step()
         opt.zero_grad()
         if step == 0 and backend is not None:
@@ -172,6 +186,7 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     result: dict[str, Any] = {
         "losses": losses,
         "params": [p.full_tensor().float().tolist() for p in model.parameters()],
+        "no_grad": no_grad,  # parameters without a gradient at the last step
     }
     if backend is not None:
         result.update(

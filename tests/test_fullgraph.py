@@ -46,7 +46,7 @@ GATHER = [
     "fsdp_rs.unshard_copy_out.default",
 ]
 REDUCE = [
-    "fsdp_rs.reduce_scatter_copy_in_flat.default",
+    "fsdp_rs.reduce_scatter_copy_in.default",
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.wait_tensor.default",
     "fsdp_rs.post_reduce.default",
@@ -117,6 +117,10 @@ def _check_parity(results: list[dict], name: str) -> None:
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         eager, compiled = result["eager"], result["compiled"]
         assert compiled["dynamo_graphs"] == compiled["first_step"] >= 1, compiled
+        # a parameter nothing used keeps no gradient, as in eager
+        assert compiled["no_grad"] == eager["no_grad"], (rank, compiled["no_grad"])
+        if spec["spare"]:
+            assert eager["no_grad"] == ["spare", "blocks.0.spare"], eager["no_grad"]
         if spec["backend"] == "inductor":
             tol = INDUCTOR_TOLERANCE[spec["bf16"]]
             torch.testing.assert_close(compiled["losses"], eager["losses"], **tol)
@@ -263,11 +267,14 @@ def test_fullgraph_memory_not_above_eager(fake_pg, config):
     _, *eager = step_memory(spec, fake_pg, None)
     graphs, *compiled = step_memory(spec, fake_pg, _traced)
     assert graphs >= 1, f"{config}: nothing was compiled"
-    # Held to the project's memory bound (+1% or +1 MiB). Measured, compiled
-    # against eager, after forward / peak, B: torch 2.13 aot_eager equal in both
-    # configs, inductor 65,956 / 89,708 against 66,388 / 87,704 (its own buffer
-    # plan); torch 2.9.1 aot_eager bf16 without resharding 66,936 peak against
-    # 66,232.
-    slack = max(eager[1] // 100, 2**20)
+    # Measured, compiled against eager, after forward / peak, B (torch 2.9.1,
+    # 2.13 and 2.15): aot_eager with resharding equal; aot_eager bf16 without
+    # resharding 44,356 / 67,448 against 44,916 / 69,984 (2.9.1: 65,672 against
+    # 66,232 at the peak); inductor with resharding 65,956 / 87,272 against
+    # 66,388 / 87,704 (2.9.1: 87,480). Held to 1% of eager, not the project's
+    # +1 MiB floor, under which this toy model hides a lot: a copy-out that made
+    # index temporaries inside the backward graph once put the peak 21% above
+    # eager here.
+    slack = eager[1] // 100
     for phase, a, b in zip(("after forward", "peak"), compiled, eager, strict=True):
         assert 0 < a <= b + slack, f"{config}: {phase}: {a} B compiled, {b} B eager"

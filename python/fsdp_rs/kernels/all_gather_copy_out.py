@@ -45,7 +45,6 @@ from fsdp_rs.kernels._checks import (
 )
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._dtypes import bits, is_copyable
-from fsdp_rs.kernels._segments import segment_columns
 from fsdp_rs.kernels._triton import (
     TL_DTYPES,
     jit,
@@ -139,7 +138,7 @@ def torch_all_gather_copy_out(
 ) -> None:
     """Reference. Into the group buffer: one gather by a cached element index
     ([Note: Cached CPU indices]), no loop over params or ranks (the tile table
-    is only checked). Per-param outputs are filled by ``split_with_sizes_copy``.
+    is only checked). Per-param outputs by one strided copy each.
     With ``chunk_numel``, one strided copy per param ([Note: Chunked copies])."""
     check_all_gather_copy_out(
         all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
@@ -167,18 +166,17 @@ def torch_all_gather_copy_out(
             dst, src = index
             out[0].scatter_(0, dst, flat.index_select(0, src))
         return
-    _, _, cols = segment_columns(row_offsets, padded_numel)
-    for i, t in enumerate(out):
-        if t.numel() % world_size:
+    # One strided copy per param: no index, no temporary (the traced hooks'
+    # per-parameter outputs are allocated inside the graph, so a temporary here
+    # would add to the step's peak).
+    rows, padded = row_offsets.tolist(), padded_numel.tolist()
+    for i, (t, r, n) in enumerate(zip(out, rows, padded, strict=True)):
+        if t.numel() != world_size * n:
             raise ValueError(
-                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel"
+                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel "
+                f"({world_size} * {n})"
             )
-    torch.split_with_sizes_copy(
-        all_gather_output[:, cols],
-        padded_numel.tolist(),
-        dim=1,
-        out=[t.view(world_size, -1) for t in out],
-    )
+        t.view(world_size, n).copy_(all_gather_output[:, r : r + n])
 
 
 def _copy_out_chunked(

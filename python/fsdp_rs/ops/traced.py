@@ -1,19 +1,35 @@
 """``fsdp_rs::unshard_copy_out``: the functional copy-out the traced hooks use,
 with the gradient reduction as its autograd formula ([Note: Traced hooks]).
 
-Forward: a fresh unsharded buffer filled from the all-gather output by
-``fsdp_rs::all_gather_copy_out``. Backward, for the group's sharded local
-tensors (which the forward does not read: they are where the gradient goes):
-``fsdp_rs::reduce_scatter_copy_in_flat`` (the pre-divide and the cast to the
-reduce dtype), the functional reduce-scatter and its wait, then
-``fsdp_rs::post_reduce`` (the post-divide and the cast to the parameters'
-dtype) into a fresh sharded row, viewed per parameter. Both directions run the
-eager runtime's ops with its arguments, so the traced path gives its results
-bit for bit; under AOT autograd the backward's collective and copies land in
-the backward graph.
+Forward: the group's unsharded parameters, one fresh tensor each in its shape,
+filled from the all-gather output by ``fsdp_rs::all_gather_copy_out``.
+Backward, for the group's sharded local tensors (which the forward does not
+read: they are where the gradient goes): ``fsdp_rs::reduce_scatter_copy_in``
+from the parameters' gradients (the pre-divide and the cast to the reduce
+dtype), the functional reduce-scatter and its wait, then ``fsdp_rs::post_reduce``
+(the post-divide and the cast to the parameters' dtype) into a fresh sharded
+row, viewed per parameter. Both directions run the eager runtime's ops with its
+arguments, so the traced path gives its results bit for bit; under AOT autograd
+the backward's collective and copies land in the backward graph.
+
+[Note: Unused parameters under trace]
+A parameter that no op of the forward used has no gradient in eager fsdp-rs
+and FSDP2 (its ``.grad`` stays as it was, and optimizers skip it). The op's
+outputs are one tensor per parameter and its autograd formula does not
+materialize missing gradients, so AOT autograd hands it ``None`` for such a
+parameter (known when the graph is traced): it reduce-scatters zeros in its
+place, as every rank must join the collective, and gives its shard no
+gradient. One buffer cut into views would not do: the cut's backward fills
+unused pieces with zeros. Whether a parameter was used is then a fact of this
+rank's graph; ranks whose graphs differ would drop one rank's gradient from
+another's shard, so where a gradient is missing the backward also all-reduces
+the used-mask and asserts that every rank's is the same.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
@@ -30,7 +46,8 @@ def unshard_copy_out(
     tile_param: torch.Tensor,
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
-    unsharded_numel: int,
+    dims: list[int],
+    ranks: list[int],
     sharded_offsets: list[int],
     sharded_numels: list[int],
     group_name: str,
@@ -38,9 +55,10 @@ def unshard_copy_out(
     pre_divide: float,
     post_divide: float,
     reduce_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The unsharded buffer of a group, copied out of ``all_gather_output``
-    (rows x row numel). ``sharded``: the group's sharded local tensors (views
+) -> list[torch.Tensor]:
+    """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
+    back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
+    numel). ``sharded``: the group's sharded local tensors (views
     of its row at ``sharded_offsets``, of ``sharded_numels`` elements), which
     take the gradient; the rest configures the reduction (``group_name``: the
     shard process group, ``reduce_op``: ``"sum"`` or ``"avg"``).
@@ -53,10 +71,11 @@ def unshard_copy_out(
     another shape; this rank's numels, constants in the graph's code, differ
     exactly when the shards do."""
     _check_numels(sharded, sharded_numels)
-    out = all_gather_output.new_empty(unsharded_numel)
+    rows = all_gather_output.shape[0]
+    padded = [all_gather_output.new_empty(rows * n) for n in padded_numel.tolist()]
     torch.ops.fsdp_rs.all_gather_copy_out(
         all_gather_output,
-        [out],
+        padded,
         row_offsets,
         unsharded_offsets,
         padded_numel,
@@ -64,7 +83,14 @@ def unshard_copy_out(
         tile_start,
         tile_len,
     )
-    return out
+    shapes = _shapes(dims, ranks)
+    return [t[: math.prod(shape)].view(shape) for t, shape in zip(padded, shapes, strict=True)]
+
+
+def _shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
+    """The parameters' shapes, from their dims back to back and their ranks."""
+    ends = list(itertools.accumulate(ranks))
+    return [dims[end - rank : end] for end, rank in zip(ends, ranks, strict=True)]
 
 
 def _check_numels(sharded: list[torch.Tensor], numels: list[int]) -> None:
@@ -77,18 +103,21 @@ def _check_numels(sharded: list[torch.Tensor], numels: list[int]) -> None:
 
 
 @unshard_copy_out.register_fake
-def _(all_gather_output, sharded, *rest) -> torch.Tensor:
-    unsharded_numel, _, numels = rest[6:9]
-    _check_numels(sharded, numels)
-    return all_gather_output.new_empty(unsharded_numel)
+def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
+    dims, ranks, _, sharded_numels = rest[6:10]
+    _check_numels(sharded, sharded_numels)
+    return [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ag, sharded, *tables = inputs[:8]
-    ctx.tables = tables
+    ag, sharded, row_offsets, _, padded_numel, *tiles = inputs[:8]
+    ctx.tables = (row_offsets, padded_numel, *tiles)  # reduce_scatter_copy_in's
     ctx.rows, ctx.row_numel = ag.shape
+    ctx.device = ag.device
     ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
+    ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
     (
+        _,
         _,
         ctx.offsets,
         _,
@@ -100,25 +129,44 @@ def _setup_context(ctx, inputs, output) -> None:
     ) = inputs[8:]
 
 
-def _backward(ctx, grad: torch.Tensor):
-    rs_in = grad.new_empty((ctx.rows, ctx.row_numel), dtype=ctx.reduce_dtype)
-    torch.ops.fsdp_rs.reduce_scatter_copy_in_flat(grad.contiguous(), rs_in, *ctx.tables, ctx.pre)
+def _backward(ctx, grads: list[torch.Tensor | None]):
+    used = [g is not None for g in grads]
+    rs_in = torch.empty((ctx.rows, ctx.row_numel), dtype=ctx.reduce_dtype, device=ctx.device)
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, rs_in, *ctx.tables, ctx.pre)
+    functional = torch.ops._c10d_functional
     if ctx.rows > 1:
-        functional = torch.ops._c10d_functional
         output = functional.reduce_scatter_tensor(
             rs_in.view(-1), ctx.reduce_op, ctx.rows, ctx.group_name
         )
         output = functional.wait_tensor(output)
+        if not all(used):
+            _check_used(used, ctx)
     else:
         output = rs_in[0]
     dtype = ctx.layouts[0][2] if ctx.layouts else ctx.reduce_dtype
     row = output.new_empty(ctx.row_numel, dtype=dtype)
     torch.ops.fsdp_rs.post_reduce(output, row, ctx.post, False)
-    grads = [
-        row.as_strided(shape, stride, offset)
-        for (shape, stride, _), offset in zip(ctx.layouts, ctx.offsets, strict=True)
+    sharded = [
+        row.as_strided(shape, stride, offset) if u else None
+        for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
     ]
-    return (None, grads, *([None] * 14))
+    return (None, sharded, *([None] * 15))
+
+
+def _check_used(used: list[bool], ctx) -> None:
+    """Every rank left the same parameters without a gradient, or this rank
+    stops with an error: a gradient kept by one rank only would be dropped from
+    the shards of the ranks that have none ([Note: Unused parameters under
+    trace])."""
+    functional = torch.ops._c10d_functional
+    mine = torch.tensor(used, dtype=torch.int32, device=ctx.device)
+    anyone = functional.wait_tensor(functional.all_reduce(mine, "max", ctx.group_name))
+    torch._assert_async(
+        (anyone == mine).all(),
+        "fsdp_rs: a parameter got a gradient on some ranks and none on others under "
+        "torch.compile with traced hooks (the ranks' graphs differ); make every rank "
+        "use the same parameters, or compile without set_fullgraph_compile()",
+    )
 
 
 unshard_copy_out.register_autograd(_backward, setup_context=_setup_context)

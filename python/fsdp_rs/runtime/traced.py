@@ -13,22 +13,23 @@ bit.
 
 - Before a group's forward: its all-gather input (the sharded buffer, cast to
   the parameter dtype where mixed precision asks), the functional all-gather
-  and its wait, then ``fsdp_rs::unshard_copy_out`` into a fresh unsharded
-  buffer; the unsharded parameters are views of it, written into the modules'
-  ``_parameters``. The copy-out's autograd formula is the eager post-backward's
-  reduction ([Note: Gradient division] included): reduce-scatter copy-in,
-  reduce-scatter, post-reduce into a fresh sharded row whose views become the
-  gradients of the sharded DTensor parameters (AOT autograd puts them in the
-  backward graph; autograd accumulates them into ``.grad`` as it does for any
-  leaf, post-accumulate-grad hooks included). A module called twice in one
-  forward reuses its group's unsharded buffer, so its gradients are summed
+  and its wait, then ``fsdp_rs::unshard_copy_out`` into fresh unsharded
+  parameters, written into the modules' ``_parameters``. The copy-out's
+  autograd formula is the eager post-backward's reduction ([Note: Gradient
+  division] included): reduce-scatter copy-in, reduce-scatter, post-reduce
+  into a fresh sharded row whose views become the gradients of the sharded
+  DTensor parameters (AOT autograd puts them in the backward graph; autograd
+  accumulates them into ``.grad`` as it does for any leaf, post-accumulate-grad
+  hooks included), and a parameter nothing used gets none ([Note: Unused
+  parameters under trace]). A module called twice in one
+  forward reuses its group's unsharded parameters, so its gradients are summed
   before the one reduction, as in eager.
 - ``reshard_after_forward`` (True or an int): the gather runs inside
   ``torch.utils.checkpoint`` with a policy that recomputes all of it, so the
   forward graph keeps no unsharded parameter for backward and the backward
   gathers again (the min-cut partitioner of ``aot_eager`` and inductor does
   this; an int all-gathers over the whole shard group, as True). ``False``:
-  the unsharded buffer is saved, as eager keeps it.
+  the unsharded parameters are saved, as eager keeps them.
 - The root's own groups are gathered inside its forward, and at the end of
   that forward every group's sharded parameters are registered again ([Note:
   The root's groups in its forward]).
@@ -46,10 +47,7 @@ Supported: one-dimensional FSDP meshes, floating-point groups sharded on dim
 group named. Flags that can change later and that this path does not follow
 (no gradient sync, all-reduce hooks, a custom reduce-scatter, a group unsharded
 by hand) make the hooks run eager under compile: a graph break with the reason,
-or under ``fullgraph=True`` an error that names it. One difference from eager
-remains: a parameter of a group that ran forward gets a gradient even if
-nothing used it (zeros, as any unused slice of a tensor gets), where eager
-leaves its ``.grad`` untouched when no rank had a gradient for it.
+or under ``fullgraph=True`` an error that names it.
 """
 
 from __future__ import annotations
@@ -91,12 +89,9 @@ class TracedGroup:
         info = group.info
         self.world = info.shard_size
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
-        plan = group.plan
-        self.unsharded_numel = plan.unsharded_numel
         shapes, _ = group._unsharded_shapes()  # contiguous: a plain group's are
-        self.split_sizes, self.pieces, self.shapes = _pieces(
-            plan.unsharded_offsets.tolist(), shapes, self.unsharded_numel
-        )
+        self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
+        self.ranks = [len(s) for s in shapes]
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
@@ -130,33 +125,6 @@ class TracedGroup:
     def register(self, objects: list[torch.Tensor]) -> None:
         for module, name, i in self.slots:
             module._parameters[name] = objects[i]
-
-
-def _pieces(
-    offsets: list[int], shapes: list, numel: int
-) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
-    """The unsharded buffer as consecutive pieces (parameters and the gaps
-    between them): the pieces' sizes, which piece each parameter is, and the
-    parameters' shapes.
-
-    [Note: Unsharded views]
-    The unsharded parameters are pieces of one ``split_with_sizes`` of the
-    buffer, viewed in their shapes. Its gradient formula concatenates the
-    pieces' gradients once; per-parameter ``as_strided`` views (what eager
-    aliases) would each have autograd build a zero buffer of the whole group
-    for its gradient, one per parameter."""
-    order = sorted(range(len(offsets)), key=offsets.__getitem__)
-    sizes, piece = [], [0] * len(offsets)
-    position = 0
-    for i in order:
-        if offsets[i] > position:
-            sizes.append(offsets[i] - position)
-        piece[i] = len(sizes)
-        sizes.append(math.prod(shapes[i]))
-        position = offsets[i] + sizes[-1]
-    if numel > position:
-        sizes.append(numel - position)
-    return sizes, piece, [tuple(s) for s in shapes]
 
 
 def _static_reason(state, group) -> str | None:
@@ -267,7 +235,7 @@ def _recompute_all():
 
 
 def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) -> list:
-    """The group's unsharded parameters: all-gather, copy-out and views,
+    """The group's unsharded parameters: all-gather and copy-out,
     differentiable for ``local`` (the sharded parameters' local tensors)."""
     group = traced.group
     source = sharded if sharded.dtype == group.param_dtype else sharded.to(group.param_dtype)
@@ -277,11 +245,12 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         ag = functional.wait_tensor(ag).view(traced.world, -1)
     else:
         ag = source.view(1, -1)
-    flat = unshard_copy_out(
+    unsharded = unshard_copy_out(
         ag,
         list(local),
         *traced.tables,
-        traced.unsharded_numel,
+        traced.dims,
+        traced.ranks,
         traced.row_offsets,
         traced.local_numels,
         traced.group_name,
@@ -290,8 +259,7 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.post_divide,
         group.reduce_dtype,
     )
-    pieces = flat.split_with_sizes(traced.split_sizes)  # [Note: Unsharded views]
-    return [pieces[k].view(shape) for k, shape in zip(traced.pieces, traced.shapes, strict=True)]
+    return list(unsharded)
 
 
 def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
