@@ -50,6 +50,7 @@ def unshard_copy_out(
     tile_len: torch.Tensor,
     dims: list[int],
     ranks: list[int],
+    padded_numels: list[int],
     sharded_offsets: list[int],
     sharded_numels: list[int],
     group_name: str,
@@ -60,10 +61,12 @@ def unshard_copy_out(
 ) -> list[torch.Tensor]:
     """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
     back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
-    numel). ``sharded``: the group's sharded local tensors (views
-    of its row at ``sharded_offsets``, of ``sharded_numels`` elements), which
-    take the gradient; the rest configures the reduction (``group_name``: the
-    shard process group, ``reduce_op``: ``"sum"`` or ``"avg"``).
+    numel); ``padded_numels``: ``padded_numel`` on the host, so that the
+    outputs are allocated without reading a device table. ``sharded``: the
+    group's sharded local tensors (views of its row at ``sharded_offsets``, of
+    ``sharded_numels`` elements), which take the gradient; the rest configures
+    the reduction (``group_name``: the shard process group, ``reduce_op``:
+    ``"sum"`` or ``"avg"``).
 
     [Note: This rank's numels in the graph]
     ``sharded_numels`` is checked here, and it is also what keeps the graphs of
@@ -74,7 +77,7 @@ def unshard_copy_out(
     exactly when the shards do."""
     _check_numels(sharded, sharded_numels)
     rows = all_gather_output.shape[0]
-    padded = [all_gather_output.new_empty(rows * n) for n in padded_numel.tolist()]
+    padded = [all_gather_output.new_empty(rows * n) for n in padded_numels]
     torch.ops.fsdp_rs.all_gather_copy_out(
         all_gather_output,
         padded,
@@ -106,7 +109,7 @@ def _check_numels(sharded: list[torch.Tensor], numels: list[int]) -> None:
 
 @unshard_copy_out.register_fake
 def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
-    dims, ranks, _, sharded_numels = rest[6:10]
+    dims, ranks, _, _, sharded_numels = rest[6:11]
     _check_numels(sharded, sharded_numels)
     return [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
 
@@ -119,6 +122,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
     ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
     (
+        _,
         _,
         _,
         ctx.offsets,
@@ -152,7 +156,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
         row.as_strided(shape, stride, offset) if u else None
         for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
     ]
-    return (None, sharded, *([None] * 15))
+    return (None, sharded, *([None] * 16))
 
 
 def _check_used(used: list[bool], ctx) -> None:

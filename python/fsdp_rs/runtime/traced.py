@@ -92,6 +92,7 @@ class TracedGroup:
         shapes, _ = group._unsharded_shapes()  # contiguous: a plain group's are
         self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
         self.ranks = [len(s) for s in shapes]
+        self.padded_numels = group.plan.padded_sharded_numel.tolist()
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
@@ -251,6 +252,7 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         *traced.tables,
         traced.dims,
         traced.ranks,
+        traced.padded_numels,
         traced.row_offsets,
         traced.local_numels,
         traced.group_name,
