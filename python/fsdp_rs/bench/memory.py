@@ -145,10 +145,14 @@ def _tracker():
 
 
 class _Meter:
-    """Current and peak bytes: MemTracker's on CPU, the allocator's on CUDA."""
+    """Current and peak bytes: MemTracker's on CPU, the allocator's on CUDA.
+    On CUDA the bytes already allocated when the run began (``base``: what
+    an earlier run left behind) are not counted, so each library's run is
+    measured from the same zero."""
 
-    def __init__(self, device: torch.device, roots: tuple) -> None:
+    def __init__(self, device: torch.device, roots: tuple, base: int = 0) -> None:
         self.cuda = device.type == "cuda"
+        self._base = base
         self._tracker = None
         if not self.cuda:
             self._tracker = _tracker()
@@ -170,7 +174,7 @@ class _Meter:
     def current(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.memory_allocated()
+            return torch.cuda.memory_allocated() - self._base
         return self._total("current")
 
     def before_forward(self) -> None:
@@ -193,7 +197,7 @@ class _Meter:
     def peak(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
+            return torch.cuda.max_memory_allocated() - self._base
         return self._total("peak")
 
 
@@ -233,11 +237,14 @@ def measure(
 
         _cpu_index.clear()
         activations = _activations(name, options, dim, layers, batch, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with contextlib.ExitStack() as stack:
         model = _model(name, dim, layers).to(device)
         if options.get("frozen_weights"):
             _freeze_weights(model)
-        meter = stack.enter_context(_Meter(device, (model,)))
+        meter = stack.enter_context(_Meter(device, (model,), base))
         for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
