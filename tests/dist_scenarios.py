@@ -207,7 +207,13 @@ def train(
                 state = getattr(module, "_fsdp_rs_state", None)
                 if state is not None and state.group is not None:
                     state.group.preplace_grads = False  # as on an accelerator
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # Ignored params stay plain tensors beside the DTensors: torch's foreach
+    # step (the default on CUDA) refuses the mix in one param group, under FSDP2
+    # too, so they get a group of their own, as a user's script would.
+    kept = ignored or set()
+    groups = [[p for p in trained if p not in kept], [p for p in trained if p in kept]]
+    opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-2)
     losses = []
     with checker or contextlib.nullcontext():
         _steps(spec, model, opt, fs, world_size, rank, losses, device)

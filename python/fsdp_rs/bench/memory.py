@@ -287,6 +287,13 @@ def records(world_size: int, device: torch.device, configs: list[str], **sizes: 
     """One record per config and phase, both libraries measured in this process."""
     out = []
     model = f"{sizes.get('model', 'mlp')} {sizes.get('layers', 8)}x{sizes.get('dim', 256)}"
+    if device.type == "cuda" and configs:
+        # [Note: Warm-up before measuring] The first matmuls of a process make
+        # cuBLAS workspaces (one per thread and stream: the forward's, the
+        # autograd thread's), allocated through torch's allocator and never
+        # freed: 66 MiB on an H200 with torch 2.11, which counted against
+        # whichever library ran first. One untimed step makes them first.
+        measure("torch", configs[0], world_size, device, **{**sizes, "steps": 1})
     for config in configs:
         ours = measure("fsdp_rs", config, world_size, device, **sizes)
         theirs = measure("torch", config, world_size, device, **sizes)

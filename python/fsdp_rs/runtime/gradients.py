@@ -458,14 +458,18 @@ class GradientReduction:
             # Every trainable parameter is reduced (zeros where no gradient) and
             # gets a .grad, as FSDP2 does with set_reduce_scatter_unused_params.
             had_grad = [True] * len(had_grad)
-        # Read now only where it decides the output: with replicas the gradients
-        # may stay partial ([No all-reduce]) and are assigned after the all-reduce.
-        current = None if info.replicate_group is not None else get_grads(self._grad_params)
+        # Read now only where it decides the output: with replicas whose
+        # all-reduce waits for a later backward the gradients stay partial ([No
+        # all-reduce]) and are assigned after that one.
+        partial = info.replicate_group is not None and not self.all_reduce_grads
+        current = None if partial else get_grads(self._grad_params)
         direct = (
             comm is None
             and current is not None
-            and self._reduces_into_grad_buffer(post, had_grad, current)
+            and self._reduces_into_grad_buffer(had_grad, current)
         )
+        if info.replicate_group is not None:
+            current = None  # read again after the all-reduce, as before it
         rs_stream = post_stream = None
         if streams.enabled:
             streams.begin_reduction(self)
@@ -522,6 +526,8 @@ class GradientReduction:
                     hook(output)
         with streams.on(post_stream):
             if direct:
+                if post != 1.0:
+                    output.div_(post)  # in place, as FSDP2 divides its reduce output
                 set_grads(self._grad_params, views)
             else:
                 self._assign_grads(output, post, had_grad, current)
@@ -570,17 +576,20 @@ class GradientReduction:
         return make(numel, dtype=sharded.dtype, device=sharded.device)
 
     def _reduces_into_grad_buffer(
-        self, divide: float, had_grad: list[bool], current: list[torch.Tensor | None]
+        self, had_grad: list[bool], current: list[torch.Tensor | None]
     ) -> bool:
         """Whether the reduce-scatter can write the sharded gradient buffer itself,
-        leaving no post-reduce: every parameter got a gradient and has no ``.grad``
-        (the usual step after ``zero_grad()``), the reduced gradient goes nowhere
-        else first (no hook; the caller rules out replicas), and needs no
-        division, cast or move."""
+        as FSDP2's gradients are views of its reduce-scatter output: every
+        parameter got a gradient and has no ``.grad`` (the usual step after
+        ``zero_grad()``), the reduced gradient goes to no hook first, and needs
+        no cast or move. A division then runs in place on the buffer, and HSDP's
+        all-reduce too (the caller rules out a backward that leaves it partial):
+        the reduce-scatter output is never a second gradient-sized buffer, which
+        on an accelerator would stay allocated for the all-reduce stream until
+        the end of backward ([Note: Cross-stream lifetimes])."""
         return (
             self.info.shard_size > 1
             and self.all_reduce_hook is None
-            and divide == 1.0
             and self.sharded.dtype == self.reduce_dtype
             and self.sharded.device == self.device
             and all(had_grad)
