@@ -44,6 +44,9 @@ until the allocating stream is ordered after the last use:
 - a reduce-scatter output read on the all-reduce stream: released at the group's
   next reduction or the end of backward, after the compute stream waited for
   its event (every reduce-scatter starts by waiting for the compute stream).
+  Where no cast is due it is the sharded gradient buffer itself, which the
+  ``.grad``s keep anyway, as FSDP2's reduce output is its gradients; a second
+  buffer kept per group would add a sharded model's gradients to the peak.
 
 On CPU every op runs in order on the host: ``CommStreams.enabled`` is False
 and none of this costs anything.
