@@ -163,10 +163,12 @@ def sharded_model(
 ) -> Model:
     torch.manual_seed(0)
     model = (model_cls or Model)(spec["ac"], spec["loop"])
-    kwargs: dict[str, Any] = {
-        "mesh": init_device_mesh("cpu", (world_size,)),
-        "reshard_after_forward": spec["raf"],
-    }
+    if spec.get("hsdp"):  # two replicas of world_size // 2 shards
+        names = ("replicate", "shard")
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": spec["raf"]}
     if spec["bf16"]:
         kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:

@@ -28,8 +28,16 @@ STEPS = 5
 # ``how``: torch.compile(model) or model.compile(); ``backend``: "aot_eager"
 # and "eager" (bit for bit), "inductor"; ``twice``: the first block runs twice
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
-# both synced. The rest as in compile_scenarios.BASE.
-FULLGRAPH_BASE = {**BASE, "how": "model", "twice": False, "accumulate": False, "spare": False}
+# both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards. The rest as
+# in compile_scenarios.BASE.
+FULLGRAPH_BASE = {
+    **BASE,
+    "how": "model",
+    "twice": False,
+    "accumulate": False,
+    "spare": False,
+    "hsdp": False,
+}
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
     "aot_eager_noraf_bf16": {"backend": "aot_eager", "raf": False, "bf16": True},
@@ -50,6 +58,9 @@ _CONFIGS = {
     # ``spare``: a parameter in the root's group and one in a block's that the
     # forward never uses: no gradient for them, as in eager
     "aot_eager_spare": {"backend": "aot_eager", "spare": True},
+    # HSDP, two replicas: at W = 2 of one shard each (no reduce-scatter, the
+    # all-reduce alone), at W = 4 of two
+    "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True},
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }

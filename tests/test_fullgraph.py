@@ -51,6 +51,19 @@ REDUCE = [
     "_c10d_functional.wait_tensor.default",
     "fsdp_rs.post_reduce.default",
 ]
+# HSDP: the all-reduce across replicas before the post-reduce
+ALL_REDUCE = ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"]
+
+
+def _expected_ops(spec: dict, world_size: int) -> tuple[list[str], list[str]]:
+    """The op sequences a group's forward gather and backward reduction show:
+    with HSDP (two replicas) of one shard each, no all-gather or reduce-scatter
+    but the all-reduce; of several, both."""
+    if not spec["hsdp"]:
+        return GATHER, REDUCE
+    if world_size // 2 == 1:
+        return GATHER[2:], [REDUCE[0], *ALL_REDUCE, REDUCE[3]]
+    return GATHER, [*REDUCE[:3], *ALL_REDUCE, REDUCE[3]]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +102,7 @@ def _torch_version() -> tuple[int, int]:
 
 # At W = 4 the reduce-scatter sums more than two ranks: the traced reduction
 # must add them in eager's order (its input laid out as eager's), bit for bit.
-W4_SCENARIOS = ["aot_eager_raf"]
+W4_SCENARIOS = ["aot_eager_raf", "aot_eager_hsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +120,7 @@ def test_fullgraph_parity(results, name):
 @pytest.mark.parametrize("name", W4_SCENARIOS)
 def test_fullgraph_parity_W4(results_w4, name):
     _check_parity(results_w4, name)
+    _check_listing(results_w4, name, 4)
     for per_rank in results_w4:  # the last of four ranks differs: all four raise
         assert per_rank["disagreement"]["type"] == "RuntimeError", per_rank["disagreement"]
 
@@ -144,12 +158,18 @@ def test_fullgraph_graph_listing(results, name):
     spec = SCENARIOS[name]
     if spec["ac"] and _torch_version() in AC_BROKEN:
         pytest.skip("activation checkpointing under traced hooks fails in torch 2.13 (see parity)")
+    _check_listing(results, name, WORLD_SIZE)
+
+
+def _check_listing(results: list[dict], name: str, world_size: int) -> None:
+    spec = SCENARIOS[name]
+    gather, reduce = _expected_ops(spec, world_size)
     graphs = results[0][name]["compiled"]["graphs"]
     forward = [op for g in graphs if g["kind"] == "forward" for op in g["ops"]]
     backward = [op for g in graphs if g["kind"] == "backward" for op in g["ops"]]
-    assert _count(forward, GATHER) == GROUPS, forward
-    assert _count(backward, REDUCE) == GROUPS, backward
-    regathers = _count(backward, GATHER)
+    assert _count(forward, gather) == GROUPS, forward
+    assert _count(backward, reduce) == GROUPS, backward
+    regathers = _count(backward, gather)
     assert regathers == (GROUPS if spec["raf"] else 0), backward
     # Resharding after forward, the forward graph saves no unsharded parameter
     # (it is gathered again); else it keeps them, as eager does.
@@ -204,6 +224,18 @@ def test_fullgraph_names_a_flag_it_does_not_follow(fake_pg):
     model.set_requires_gradient_sync(False)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="gradient sync is off"):
+        compiled(tokens(0, 0))
+
+
+def test_fullgraph_names_all_reduce_off(fake_pg):
+    """HSDP with the all-reduce across replicas off: the gradients stay partial
+    until a later backward, which the traced hooks cannot do, so they run eager
+    and fullgraph=True says why."""
+    model = _model(fake_pg, loop=False, hsdp=True)
+    model.set_fullgraph_compile()
+    model.set_requires_all_reduce(False)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="all-reduce across replicas is off"):
         compiled(tokens(0, 0))
 
 

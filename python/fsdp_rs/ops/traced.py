@@ -6,7 +6,8 @@ filled from the all-gather output by ``fsdp_rs::all_gather_copy_out``.
 Backward, for the group's sharded local tensors (which the forward does not
 read: they are where the gradient goes): ``fsdp_rs::reduce_scatter_copy_in``
 from the parameters' gradients (the pre-divide and the cast to the reduce
-dtype), the functional reduce-scatter and its wait, then ``fsdp_rs::post_reduce``
+dtype), the functional reduce-scatter and its wait, with replicas (HSDP) the
+functional all-reduce across them and its wait, then ``fsdp_rs::post_reduce``
 (the post-divide and the cast to the parameters' dtype) into a fresh sharded
 row, viewed per parameter. Both directions run the eager runtime's ops with its
 arguments, so the traced path gives its results bit for bit; under AOT autograd
@@ -58,6 +59,8 @@ def unshard_copy_out(
     pre_divide: float,
     post_divide: float,
     reduce_dtype: torch.dtype,
+    replicate_group_name: str,
+    all_reduce_op: str,
 ) -> list[torch.Tensor]:
     """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
     back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
@@ -66,7 +69,8 @@ def unshard_copy_out(
     group's sharded local tensors (views of its row at ``sharded_offsets``, of
     ``sharded_numels`` elements), which take the gradient; the rest configures
     the reduction (``group_name``: the shard process group, ``reduce_op``:
-    ``"sum"`` or ``"avg"``).
+    ``"sum"`` or ``"avg"``; ``replicate_group_name``: the replicas' process
+    group, "" without, and ``all_reduce_op`` its op).
 
     [Note: This rank's numels in the graph]
     ``sharded_numels`` is checked here, and it is also what keeps the graphs of
@@ -132,6 +136,8 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.pre,
         ctx.post,
         ctx.reduce_dtype,
+        ctx.replicate_group_name,
+        ctx.all_reduce_op,
     ) = inputs[8:]
 
 
@@ -145,10 +151,13 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
             rs_in.view(-1), ctx.reduce_op, ctx.rows, ctx.group_name
         )
         output = functional.wait_tensor(output)
-        if not all(used):
-            _check_used(used, ctx)
     else:
         output = rs_in[0]
+    if ctx.replicate_group_name:  # HSDP: summed across the replicas as in eager
+        output = functional.all_reduce(output, ctx.all_reduce_op, ctx.replicate_group_name)
+        output = functional.wait_tensor(output)
+    if not all(used) and (ctx.rows > 1 or ctx.replicate_group_name):
+        _check_used(used, ctx)
     dtype = ctx.layouts[0][2] if ctx.layouts else ctx.reduce_dtype
     row = output.new_empty(ctx.row_numel, dtype=dtype)
     torch.ops.fsdp_rs.post_reduce(output, row, ctx.post, False)
@@ -156,7 +165,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
         row.as_strided(shape, stride, offset) if u else None
         for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
     ]
-    return (None, sharded, *([None] * 16))
+    return (None, sharded, *([None] * 18))
 
 
 def _check_used(used: list[bool], ctx) -> None:
@@ -166,7 +175,10 @@ def _check_used(used: list[bool], ctx) -> None:
     trace])."""
     functional = torch.ops._c10d_functional
     mine = torch.tensor(used, dtype=torch.int32, device=ctx.device)
-    anyone = functional.wait_tensor(functional.all_reduce(mine, "max", ctx.group_name))
+    anyone = mine
+    for name in (ctx.group_name if ctx.rows > 1 else "", ctx.replicate_group_name):
+        if name:
+            anyone = functional.wait_tensor(functional.all_reduce(anyone, "max", name))
     torch._assert_async(
         (anyone == mine).all(),
         "fsdp_rs: a parameter got a gradient on some ranks and none on others under "

@@ -41,13 +41,14 @@ can reason about them; FSDP2's traced hooks needed compiled autograd and
 in-place ``set_`` tricks to free memory inside the graph, which recomputation
 makes unnecessary.
 
-Supported: one-dimensional FSDP meshes, floating-point groups sharded on dim
-0, every parameter of a group trainable or none, no CPU offload, one module per
-``fully_shard`` call. ``set_fullgraph_compile`` refuses the rest with the
-group named. Flags that can change later and that this path does not follow
-(no gradient sync, all-reduce hooks, a custom reduce-scatter, a group unsharded
-by hand) make the hooks run eager under compile: a graph break with the reason,
-or under ``fullgraph=True`` an error that names it.
+Supported: FSDP and HSDP meshes (the replicas' all-reduce in the backward
+graph too), floating-point groups sharded on dim 0, every parameter of a group
+trainable or none, no CPU offload, one module per ``fully_shard`` call.
+``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
+change later and that this path does not follow (no gradient sync, the
+replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
+unsharded by hand) make the hooks run eager under compile: a graph break with
+the reason, or under ``fullgraph=True`` an error that names it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class TracedGroup:
         info = group.info
         self.world = info.shard_size
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
+        replicas = info.replicate_group
+        self.replicate_name = "" if replicas is None else replicas.group_name
         shapes, _ = group._unsharded_shapes()  # contiguous: a plain group's are
         self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
         self.ranks = [len(s) for s in shapes]
@@ -117,7 +120,7 @@ class TracedGroup:
         group = self.group
         self.factor = group.gradient_divide_factor
         self.force_sum = group.force_sum_reduction
-        self.reduce_op, self.pre_divide, self.post_divide = _reduction(group)
+        self.reduce_op, self.all_reduce_op, self.pre_divide, self.post_divide = _reduction(group)
 
     def registered(self) -> list[torch.Tensor]:
         """The object registered for each parameter (its first slot)."""
@@ -136,8 +139,6 @@ def _static_reason(state, group) -> str | None:
         return "it shards several modules in one fully_shard call"
     if type(group) is not FSDPParamGroup:
         return "its parameters are sharded on another dim or gathered by an extension"
-    if group.info.replicate_group is not None:
-        return "it is replicated (HSDP)"
     if group.offload_to_cpu:
         return "it offloads to CPU"
     if group.nd is not None or group.annotations is not None:
@@ -157,6 +158,7 @@ _REASONS = {
     "replanned": "a group was re-planned (model.to(dtype)) since set_fullgraph_compile(): "
     "call it again",
     "division": "a gradient divide factor needs a pre-multiplied sum",
+    "no_all_reduce": "the all-reduce across replicas is off (set_requires_all_reduce(False))",
     "flags": "a group's reduction flags changed other than through its FSDPModule setters",
 }
 
@@ -179,18 +181,22 @@ _FALLBACK_PRE = {key: _fallback(_eager_pre, key) for key in _REASONS}
 _FALLBACK_POST = _fallback(_eager_post, "root")
 
 
-def _reduction(group) -> tuple[str, float, float]:
-    """(reduce-scatter op, pre-divide, post-divide) of the eager post-backward
-    (``_division``, [Note: Gradient division]); op "" where it is a
-    pre-multiplied sum, which the functional collective cannot take."""
+def _reduction(group) -> tuple[str, str, float, float]:
+    """(reduce-scatter op, all-reduce op across replicas, pre-divide,
+    post-divide) of the eager post-backward (``_division``, [Note: Gradient
+    division]); an op "" where it is a pre-multiplied sum, which the functional
+    collectives cannot take."""
     import torch.distributed as dist
 
+    def name(op) -> str:
+        return "sum" if op == dist.ReduceOp.SUM else "avg" if op == dist.ReduceOp.AVG else ""
+
     division = group._division()
-    if group.info.shard_size == 1:  # no collective
-        return "sum", division.pre, unreduced_post_divide(division, group.gradient_divide_factor)
-    op = division.reduce_scatter_op
-    name = "sum" if op == dist.ReduceOp.SUM else "avg" if op == dist.ReduceOp.AVG else ""
-    return name, division.pre, division.post
+    all_reduce = name(division.all_reduce_op) if group.info.replicate_group is not None else "sum"
+    if group.info.shard_size == 1:  # no reduce-scatter
+        post = unreduced_post_divide(division, group.gradient_divide_factor)
+        return "sum", all_reduce, division.pre, post
+    return name(division.reduce_scatter_op), all_reduce, division.pre, division.post
 
 
 def _why_not(context) -> str | None:
@@ -210,6 +216,8 @@ def _why_not_groups(per_state) -> str | None:
                 return "frozen"
             if not group.reduce_grads:
                 return "no_sync"
+            if group.info.replicate_group is not None and not group.all_reduce_grads:
+                return "no_all_reduce"
             if (
                 group.all_reduce_hook is not None
                 or group.all_gather_comm is not None
@@ -224,7 +232,7 @@ def _why_not_groups(per_state) -> str | None:
                 or group.force_sum_reduction != traced.force_sum
             ):
                 return "flags"
-            if not traced.reduce_op:
+            if not traced.reduce_op or not traced.all_reduce_op:
                 return "division"
     return None
 
@@ -260,6 +268,8 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.pre_divide,
         traced.post_divide,
         group.reduce_dtype,
+        traced.replicate_name,
+        traced.all_reduce_op,
     )
     return list(unsharded)
 
