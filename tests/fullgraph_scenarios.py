@@ -59,8 +59,9 @@ _CONFIGS = {
     # forward never uses: no gradient for them, as in eager
     "aot_eager_spare": {"backend": "aot_eager", "spare": True},
     # HSDP, two replicas: at W = 2 of one shard each (no reduce-scatter, the
-    # all-reduce alone), at W = 4 of two
-    "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True},
+    # all-reduce alone), at W = 4 of two; with the unused parameters, whose
+    # used-mask is compared across both mesh dims
+    "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True, "spare": True},
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }
