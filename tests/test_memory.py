@@ -103,6 +103,7 @@ def test_memory_not_above_fsdp2_and_predicted(fake_pg, config, monkeypatch):
     }
     assert not over, f"{config}: fsdp-rs above torch FSDP2 (MiB, ours vs theirs): {over}"
     _check_prediction(config, ours)
+    _check_prediction(f"{config} (streams)", streamed)  # the side-stream memory model
 
 
 @pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])

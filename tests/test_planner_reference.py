@@ -612,23 +612,24 @@ def _example(**kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "want"),
     [
-        # forward g=2: previous all-gather output 160 + 240 + 240; backward: g=1
+        # forward g=2: 240 + 240 (the previous all-gather output released before
+        # this copy-out; this one kept through the compute); backward: g=1
         # computing (80 in flight + 160 + 160 + g=2's reduce-scatter input 480 + 60
         # reduced); g=2 reducing is 160 in flight + 480 + its gradients 240.
-        ({}, (60, 640, 940)),
-        # no side streams: the previous output is freed at its copy-out, and g=1
-        # gathers its 160 bytes of gradients where g=2's reduce-scatter input was.
+        ({}, (60, 480, 940)),
+        # no side streams: each output freed at its copy-out, and g=1 gathers its
+        # 160 bytes of gradients where g=2's reduce-scatter input was.
         ({"side_streams": False}, (60, 480, 880)),
         # activations (5, 6, 7), outputs (1, 2, 3), g=0 kept unsharded: forward g=2
-        # 11 + 80 + 160 + 240 + 240; backward g=2 reducing 11 + 80 + 160 + 2 + 480
-        # + 240.
+        # after its compute 11 + 80 + 7 + 3 + 240 + 240; backward g=2 reducing 11 +
+        # 80 + 160 + 2 + 480 + 240.
         (
             {
                 "activation_bytes": [5, 6, 7],
                 "output_bytes": [1, 2, 3],
                 "reshard_after_forward": [False, True, True],
             },
-            (60, 731, 973),
+            (60, 581, 973),
         ),
         # ... accumulating: every unsharded gradient (480) through forward; a
         # micro-step without sync at g=2 adds fresh ones (240); 7 resident bytes.
@@ -640,15 +641,15 @@ def _example(**kwargs):
                 "accumulate": True,
                 "resident_bytes": 7,
             },
-            (67, 1211, 1223),
+            (67, 1061, 1223),
         ),
-        # the loss: g=0 kept unsharded 80 + the last all-gather output 240 + 1000
-        # (forward g=2: 80 + 160 + 240 + 240)
-        ({"loss_bytes": 1000, "reshard_after_forward": [False, True, True]}, (60, 720, 1320)),
+        # the loss: g=0 kept unsharded 80 + 1000 (the last all-gather output is
+        # released at the root's post-forward); forward g=2: 80 + 240 + 240
+        ({"loss_bytes": 1000, "reshard_after_forward": [False, True, True]}, (60, 560, 1080)),
         # resharded to a smaller world, each group keeps 40 bytes from forward:
-        # forward g=2 80 + 160 + 240 + 240 (g=1: 40 + 80 + 160 + 160 + 240
-        # prefetched); backward g=1 computing 40 + 80 + 160 + 160 + 480 + 60.
-        ({"post_forward_bytes": [40, 40, 40], "forward_prefetch": 1}, (60, 720, 980)),
+        # forward g=1 40 + 160 + 160 + 240 prefetched; backward g=1 computing 40 + 80
+        # + 160 + 160 + 480 + 60.
+        ({"post_forward_bytes": [40, 40, 40], "forward_prefetch": 1}, (60, 600, 980)),
     ],
     ids=["side-streams", "no-side-streams", "activations", "accumulate", "loss", "post-forward"],
 )

@@ -532,18 +532,18 @@ def peak_memory(
     forward = backward = 0
     for g in range(n):
         before = total(act, range(g)) + total(held, range(g))
-        # With side streams an all-gather output lives until the next group's copy-out.
+        # With side streams an all-gather output lives through its group's compute,
+        # until the next group waits for its own (before that one's copy-out).
         kept = ag[g] if side_streams else 0
-        previous = ag[g - 1] if g and side_streams else 0
         ahead = total(ag, range(g + 1, min(g + kf, n - 1) + 1))
         moments = [
-            before + previous + ag[g] + unsh[g] + ahead + accumulated,  # copy-out
+            before + ag[g] + unsh[g] + ahead + accumulated,  # copy-out
             before + act[g] + out[g] + unsh[g] + kept + ahead + accumulated,  # after compute
         ]
         forward = max(forward, *moments)
     if n:  # the loss and the backward up to the first group: everything held
-        last = ag[n - 1] if side_streams else 0
-        backward = total(act, range(n)) + total(held, range(n)) + last + loss + accumulated
+        # (the last all-gather output is released at the root's post-forward)
+        backward = total(act, range(n)) + total(held, range(n)) + loss + accumulated
     for g in reversed(range(n)):
         live_acts = total(act, range(g + 1))
         earlier = total(held, range(g))

@@ -19,9 +19,9 @@ import numpy as np
 from torch import nn
 
 from fsdp_rs.planning import peak_memory
+from fsdp_rs.runtime import streams
 from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations
 from fsdp_rs.runtime.params import state_of
-from fsdp_rs.runtime.streams import device_module
 
 __all__ = ["group_memory", "predict_memory"]
 
@@ -199,11 +199,12 @@ def predict_memory(
 
 
 def _side_streams(module: nn.Module) -> bool:
-    """Whether the step runs its collectives on side streams, which keep an
-    all-gather output until the next group's copy-out ([Note: Cross-stream
-    lifetimes]): on an accelerator, as FSDP2 does on every device."""
+    """Whether the step runs its collectives on side streams, which keep
+    tensors used across streams alive longer ([Note: Cross-stream lifetimes]):
+    on an accelerator (the device module looked up where ``CommStreams`` looks
+    it up, so that tests/stream_sim.py's simulated device counts too)."""
     for state in _states(module):
         if state.context is not None:
             return state.context.streams.enabled
-        return device_module(state.group.device) is not None
+        return streams.device_module(state.group.device) is not None
     return False

@@ -13,16 +13,19 @@
 //!   smaller world; nothing otherwise);
 //! - `g`'s all-gather and unsharded buffers, and the all-gather buffers of the
 //!   `forward_prefetch` groups after it;
-//! - with side streams (an accelerator), the previous group's all-gather
-//!   output, kept until this copy-out as FSDP2 keeps it on every device;
-//!   without them it is freed at its own copy-out;
+//! - with side streams (an accelerator), `g`'s all-gather output through its
+//!   compute: fsdp-rs releases it when the next group waits for its own
+//!   all-gather, before that group's copy-out (FSDP2 keeps it until after:
+//!   one all-gather output more); without side streams it is freed at its
+//!   own copy-out;
 //! - after the compute, `g`'s own activations and its output;
 //! - when accumulating, every group's gradients accumulated in earlier micro-steps.
 //!
 //! between them, the loss and the backward up to the first group: every
-//! group's activations and forward holdings, the last all-gather output (with
-//! side streams), and `loss` bytes (the outputs, the loss's own tensors and
-//! transients, measured by `activation_profile`);
+//! group's activations and forward holdings and `loss` bytes (the outputs, the
+//! loss's own tensors and transients, measured by `activation_profile`); the
+//! last group's all-gather output, which FSDP2 keeps into backward with side
+//! streams, fsdp-rs releases at the root's post-forward;
 //!
 //! backward, while `g` computes its gradients and while it reduces them:
 //! - the activations of `g` and the groups before it, the forward holdings of
@@ -203,25 +206,19 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
     for g in 0..n {
         let before = acts[g] + held[g];
         let prefetched = ag[g.saturating_add(ahead).min(n - 1) + 1] - ag[g + 1];
-        let (previous, kept) = match (side, g) {
-            (false, _) => (0, 0),
-            (true, 0) => (0, at(groups.all_gather, g)),
-            (true, _) => (at(groups.all_gather, g - 1), at(groups.all_gather, g)),
-        };
+        // with side streams `g`'s all-gather output lives through its compute;
+        // the previous group's is released before `g`'s copy-out
+        let kept = if side { at(groups.all_gather, g) } else { 0 };
         let common = before + at(groups.unsharded, g) + prefetched + accumulated;
-        let copy_out = common + previous + at(groups.all_gather, g);
+        let copy_out = common + at(groups.all_gather, g);
         let computed = common + at(groups.activation, g) + at(groups.output, g) + kept;
         forward = forward.max(copy_out).max(computed);
     }
 
     let mut backward = 0i128;
     if n > 0 {
-        let last = if side {
-            at(groups.all_gather, n - 1)
-        } else {
-            0
-        };
-        backward = acts[n] + held[n] + last + i128::from(schedule.loss) + accumulated;
+        // the last all-gather output is released at the root's post-forward
+        backward = acts[n] + held[n] + i128::from(schedule.loss) + accumulated;
     }
     for g in 0..n {
         let ugrad = at(groups.unsharded_gradient, g);
@@ -308,15 +305,15 @@ mod tests {
         let grads = [20, 40, 60];
         let m = peak_memory(groups(&grads, &NONE, &NONE), schedule(&[true; 3], true)).unwrap();
         assert_eq!(m.persistent, 60);
-        // forward g=2: previous ag 160 + ag 240 + unsharded 240 = 640.
-        assert_eq!(m.forward, 640);
+        // forward g=2: ag 240 + unsharded 240 = 480 (the previous all-gather
+        // output is gone by this copy-out), and the same after its compute.
+        assert_eq!(m.forward, 480);
         // backward computing g=1: in flight 80 + unsharded 160 + gradients 160
         // + reduce-scatter input of g=2 480 + reduced 60 = 940; reducing g=2:
         // in flight 160 + 480 + its gradients 240 (dropped before the output) = 880.
         assert_eq!(m.backward, 940);
         assert_eq!(m.peak, 1000);
-        // Without side streams: no previous all-gather output in forward (480),
-        // and g=1 gathers its 160 bytes of gradients where the 480 were (620),
+        // Without side streams: the same forward (480), and g=1 gathers its 160 bytes of gradients where the 480 were (620),
         // so reducing g=2 is the peak.
         let m = peak_memory(groups(&grads, &NONE, &NONE), schedule(&[true; 3], false)).unwrap();
         assert_eq!(m.forward, 480);
@@ -330,8 +327,9 @@ mod tests {
         let reshard = [false, true, true];
         let g = groups(&[20, 40, 60], &acts, &outs);
         let m = peak_memory(g, schedule(&reshard, true)).unwrap();
-        // forward g=2 copy-out: acts 11 + held 80 + previous 160 + 240 + 240 = 731.
-        assert_eq!(m.forward, 731);
+        // forward g=2 after its compute: acts 11 + held 80 + its acts 7 + output 3
+        // + unsharded 240 + its all-gather output, kept, 240 = 581.
+        assert_eq!(m.forward, 581);
         // backward reducing g=2: acts 11 + held 80 + in flight 160 + out of g=1 2
         // + 480 + 240 = 973.
         assert_eq!(m.backward, 973);
@@ -340,16 +338,17 @@ mod tests {
             resident: 7,
             ..schedule(&reshard, true)
         };
-        // the loss: activations 18 + held 80 + last all-gather output 240 + 1000.
+        // the loss: activations 18 + held 80 + 1000 (the last all-gather
+        // output is released before it).
         let loss = Schedule {
             loss: 1000,
             ..schedule(&reshard, true)
         };
-        assert_eq!(peak_memory(g, loss).unwrap().backward, 1338);
+        assert_eq!(peak_memory(g, loss).unwrap().backward, 1098);
         let m = peak_memory(g, acc).unwrap();
         assert_eq!(m.persistent, 67);
         // every unsharded gradient (480) is held through later micro-steps.
-        assert_eq!(m.forward, 731 + 480);
+        assert_eq!(m.forward, 581 + 480);
         // a micro-step without sync, g=2: acts 18 + held 80 + in flight 160 +
         // outputs 5 + 240 + fresh gradients 240 + accumulated 480 = 1223.
         assert_eq!(m.backward, 1223);
