@@ -237,8 +237,6 @@ def measure(
 
         _cpu_index.clear()
         activations = _activations(name, options, dim, layers, batch, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with contextlib.ExitStack() as stack:
         model = _model(name, dim, layers).to(device)

@@ -139,6 +139,9 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.replicate_group_name,
         ctx.all_reduce_op,
     ) = inputs[8:]
+    # the process groups the reduction runs a collective over (none on one rank)
+    shard_group = ctx.group_name if ctx.rows > 1 else ""
+    ctx.reduce_groups = [name for name in (shard_group, ctx.replicate_group_name) if name]
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
@@ -156,7 +159,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     if ctx.replicate_group_name:  # HSDP: summed across the replicas as in eager
         output = functional.all_reduce(output, ctx.all_reduce_op, ctx.replicate_group_name)
         output = functional.wait_tensor(output)
-    if not all(used) and (ctx.rows > 1 or ctx.replicate_group_name):
+    if not all(used) and ctx.reduce_groups:
         _check_used(used, ctx)
     dtype = ctx.layouts[0][2] if ctx.layouts else ctx.reduce_dtype
     row = output.new_empty(ctx.row_numel, dtype=dtype)
@@ -176,9 +179,8 @@ def _check_used(used: list[bool], ctx) -> None:
     functional = torch.ops._c10d_functional
     mine = torch.tensor(used, dtype=torch.int32, device=ctx.device)
     anyone = mine
-    for name in (ctx.group_name if ctx.rows > 1 else "", ctx.replicate_group_name):
-        if name:
-            anyone = functional.wait_tensor(functional.all_reduce(anyone, "max", name))
+    for name in ctx.reduce_groups:
+        anyone = functional.wait_tensor(functional.all_reduce(anyone, "max", name))
     torch._assert_async(
         (anyone == mine).all(),
         "fsdp_rs: a parameter got a gradient on some ranks and none on others under "

@@ -468,8 +468,6 @@ class GradientReduction:
             and current is not None
             and self._reduces_into_grad_buffer(had_grad, current)
         )
-        if info.replicate_group is not None:
-            current = None  # read again after the all-reduce, as before it
         rs_stream = post_stream = None
         if streams.enabled:
             streams.begin_reduction(self)
