@@ -11,9 +11,10 @@ runs split inside a group, the parameters' step counts diverge and torch's
 skipping is what must be matched. Every scenario uses two user parameter
 groups (biases with another learning rate and no weight decay), a
 ``LambdaLR`` schedule, and, where named, ``zero_grad(set_to_none=False)``,
-bf16 mixed precision, HSDP (W = 4), CPU offload, frozen parameters and an
-ignored (plain) parameter. The ``*_resume`` scenarios also hand a checkpoint over mid-way:
-``state_dict()`` of one kind loaded into the other, both ways.
+bf16 mixed precision, HSDP (W = 4), CPU offload, frozen parameters (also one
+frozen between a backward and the step) and an ignored (plain) parameter. The
+``*_resume`` scenarios also hand a checkpoint over mid-way: ``state_dict()`` of
+one kind loaded into the other, both ways.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ SCENARIOS.update(
         "adamw_ignored": {"optim": "adamw", "ignored": True},
         "adamw_frozen": {"optim": "adamw_foreach", "frozen": True},
         "adamw_hsdp": {"optim": "adamw", "hsdp": True, "min_world": 4},
+        # frozen between its backward and the step: torch still steps its .grad
+        "adamw_frozen_after_backward": {"optim": "adamw_foreach", "freeze_at": 2},
         "adamw_resume": {"optim": "adamw", "resume": True},
         "sgd_momentum_resume": {"optim": "sgd_momentum", "resume": True},
         "adagrad_resume": {"optim": "adagrad", "resume": True},
@@ -204,6 +207,8 @@ def train(
         gen = torch.Generator().manual_seed(100 * rank + step)
         loss = model(torch.randn(8, DIMS[0], generator=gen), step).float().pow(2).mean()
         loss.backward()
+        if step == spec.get("freeze_at"):
+            model.blocks[1].lin.weight.requires_grad_(False)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=spec.get("set_to_none", True))

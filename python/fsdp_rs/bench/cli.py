@@ -526,6 +526,9 @@ def _run_memory(args: argparse.Namespace) -> int:
         if r["predicted_bytes"] is not None:
             error = r["predicted_bytes"] / r["fsdp_rs_bytes"] - 1
             line += f" {r['predicted_bytes'] / 2**20:9.2f} {error:+7.2%}"
+        if r.get("fsdp_rs_requested_bytes") is not None:  # CUDA: [Note: Requested bytes]
+            a, b = r["fsdp_rs_requested_bytes"], r["torch_requested_bytes"]
+            line += f"  requested {a / 2**20:.2f} / {b / 2**20:.2f}"
         print(line)
     if args.json:
         with open(args.json, "w") as f:
@@ -563,6 +566,15 @@ def _add_optim(subparsers) -> None:
     )
     p.add_argument("--repeat", type=positive_int, default=DEFAULT_REPEAT)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--columns",
+        default="plain,torch,fsdp_rs,flat,step",
+        help=(
+            "comma-separated columns to time: plain, torch (FSDP2), fsdp_rs (per "
+            "parameter), flat, step (the whole training step, FSDP2 against flat); flat "
+            "and torch or fsdp_rs are required (default: all)"
+        ),
+    )
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.set_defaults(run=_run_optim, parser=p)
 
@@ -570,7 +582,7 @@ def _add_optim(subparsers) -> None:
 def _run_optim(args: argparse.Namespace) -> int:
     import torch
 
-    from fsdp_rs.bench.optim import OPTIMIZERS, bench_optim
+    from fsdp_rs.bench.optim import COLUMNS, OPTIMIZERS, bench_optim
     from fsdp_rs.bench.report import write_json
 
     if args.optimizer not in OPTIMIZERS:
@@ -579,24 +591,44 @@ def _run_optim(args: argparse.Namespace) -> int:
         )
     if args.world_size < 1:
         args.parser.error("--world-size must be at least 1")
+    columns = tuple(c.strip() for c in args.columns.split(",") if c.strip())
+    if (
+        not set(columns) <= set(COLUMNS)
+        or "flat" not in columns
+        or not {"torch", "fsdp_rs"} & set(columns)
+        or ("step" in columns and "torch" not in columns)
+    ):
+        args.parser.error(
+            f"--columns {args.columns!r}: choose from {','.join(COLUMNS)}, with flat and "
+            "torch or fsdp_rs (step needs torch)"
+        )
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
     recs = [
-        bench_optim(n, args.world_size, args.block_params, args.optimizer, args.repeat, device)
+        bench_optim(
+            n, args.world_size, args.block_params, args.optimizer, args.repeat, device, columns
+        )
         for n in args.params or (1_000, 10_000)
     ]
     print(f"optim: {args.optimizer}, W={args.world_size} (rank 0), {device.type}, ms per step")
     head = ("params", "plain", "FSDP2", "rs", "rs flat", "flat vs FSDP2", "step FSDP2")
     print(" ".join(f"{h:>13s}" for h in (*head, "step rs flat", "step speedup", "equal")))
+
+    def ms(s):
+        return f"{'-':>13s}" if s is None else f"{s * 1e3:13.2f}"
+
+    def times(x):
+        return f"{'-':>12s} " if x is None else f"{x:12.1f}x"
+
     for r in recs:
         cols = [r["plain_s"], r["torch_s"], r["fsdp_rs_s"], r["fsdp_rs_flat_s"]]
         print(
             f"{r['n_params']:>13d} "
-            + " ".join(f"{c * 1e3:13.2f}" for c in cols)
-            + f" {r['flat_speedup']:12.1f}x {r['step_torch_s'] * 1e3:13.2f}"
-            + f" {r['step_fsdp_rs_flat_s'] * 1e3:13.2f} {r['step_speedup']:12.1f}x"
-            + f" {r['equal']!s:>13s}"
+            + " ".join(map(ms, cols))
+            + f" {times(r['flat_speedup'])}{ms(r['step_torch_s'])}"
+            + f" {ms(r['step_fsdp_rs_flat_s'])} {times(r['step_speedup'])}"
+            + f"{r['equal']!s:>13s}"
         )
     if args.json:
         write_json(recs, args.json)

@@ -16,6 +16,16 @@ step: the group plans; the activations and the loss, profiled on a copy under
 the input and the optimizer state AdamW keeps (two sharded copies of the
 trained parameters and a step count per parameter).
 
+[Note: Requested bytes]
+``memory_allocated`` counts whole allocator blocks: sizes rounded up to 512
+bytes, and a block the allocator does not split because what would remain is
+under 1 MiB (a large-pool rule) counts whole. Two runs that ask for the same
+bytes in other sizes (one flat state buffer per group against one per
+parameter) can therefore differ by up to about 1 MiB per such block. On CUDA
+the peak and ``zero_grad`` rows also carry the bytes the tensors requested
+(the allocator's ``requested_bytes`` counters), which tell that rounding apart
+from memory a library actually holds.
+
 The CPU reference ops' index cache ([Note: Cached CPU indices]) is dropped
 before each measurement, so that a row does not depend on the ones before it;
 it is not part of the prediction.
@@ -153,6 +163,7 @@ class _Meter:
     def __init__(self, device: torch.device, roots: tuple, base: int = 0) -> None:
         self.cuda = device.type == "cuda"
         self._base = base
+        self._requested_base = _requested("current") if self.cuda else 0
         self._tracker = None
         if not self.cuda:
             self._tracker = _tracker()
@@ -199,6 +210,19 @@ class _Meter:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self._base
         return self._total("peak")
+
+    def requested(self, which: str) -> int | None:
+        """On CUDA, the bytes the tensors asked for (``current`` or ``peak``),
+        before the allocator's rounding and unsplit block remainders, which
+        ``memory_allocated`` counts ([Note: Requested bytes]); None on CPU."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return _requested(which) - self._requested_base
+
+
+def _requested(which: str) -> int:
+    return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{which}", 0))
 
 
 def measure(
@@ -275,6 +299,9 @@ def measure(
             opt.zero_grad()
             result["zero_grad"] = meter.current()
             result["peak"] = meter.peak()
+            if meter.cuda:
+                result["zero_grad_requested"] = meter.requested("current")
+                result["peak_requested"] = meter.requested("peak")
         if predicted is not None:
             result["predicted_peak"] = predicted
         del model, opt, x
@@ -310,6 +337,9 @@ def records(world_size: int, device: torch.device, configs: list[str], **sizes: 
                     "ratio": a / b if b else float("nan"),
                     # the planner's prediction of fsdp-rs's peak (peak rows only)
                     "predicted_bytes": ours["predicted_peak"] if phase == "peak" else None,
+                    # CUDA, peak and zero_grad rows: the bytes requested ([Note: Requested bytes])
+                    "fsdp_rs_requested_bytes": ours.get(f"{phase}_requested"),
+                    "torch_requested_bytes": theirs.get(f"{phase}_requested"),
                 }
             )
     return out

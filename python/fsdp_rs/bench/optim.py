@@ -27,7 +27,12 @@ from fsdp_rs.bench.timing import fresh_dtensor_caches, time_call
 from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
 from fsdp_rs.runtime.grad_buffers import local_tensor as _local
 
-__all__ = ["OPTIMIZERS", "bench_optim"]
+__all__ = ["COLUMNS", "OPTIMIZERS", "bench_optim"]
+
+#: What ``columns`` may name: the four optimizer steps and the whole training step
+#: (which needs ``torch`` and ``flat``).
+COLUMNS = ("plain", "torch", "fsdp_rs", "flat", "step")
+_MODELS = {"plain": "plain", "torch": "torch", "fsdp_rs": "fsdp_rs", "flat": "fsdp_rs_flat"}
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
@@ -68,16 +73,28 @@ def bench_optim(
     optimizer: str,
     repeat: int,
     device: torch.device,
+    columns: tuple[str, ...] = COLUMNS,
 ) -> dict[str, Any]:
     """One record: median seconds per optimizer step of each column, and of a
-    whole training step under FSDP2 and fsdp-rs + flat."""
+    whole training step under FSDP2 and fsdp-rs + flat; None for a column not
+    in ``columns`` (at 1e5 parameters the per-parameter columns take minutes).
+    ``equal``: the flat optimizer's shards against fsdp-rs per parameter's, or
+    FSDP2's where that column is left out (their shards are the same bits)."""
     from fsdp_rs.optim import FlatOptimizer, clip_grad_norm_
 
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown or "flat" not in columns or not {"torch", "fsdp_rs"} & set(columns):
+        raise ValueError(
+            f"bench_optim: columns {columns!r} must be among {COLUMNS} and name flat and "
+            "torch or fsdp_rs (the flat shards are checked against one of them)"
+        )
+    if "step" in columns and "torch" not in columns:
+        raise ValueError("bench_optim: the step column compares with FSDP2: add torch")
     cls, kwargs = OPTIMIZERS[optimizer]
     fake_process_group(world_size)
     x = torch.zeros(4, device=device)
     models = {}
-    for name in ("plain", "torch", "fsdp_rs", "fsdp_rs_flat"):
+    for name in (_MODELS[c] for c in COLUMNS if c in columns and c != "step"):
         torch.manual_seed(0)
         model = BenchModel(n_params, block_params).to(device)
         if name != "plain":
@@ -92,6 +109,10 @@ def bench_optim(
         "block_params": block_params,
         "optimizer": optimizer,
         "device": device.type,
+        **{f"{name}_s": None for name in _MODELS.values()},
+        "step_torch_s": None,
+        "step_fsdp_rs_flat_s": None,
+        "step_speedup": None,
     }
     for name, model in models.items():
         fresh_dtensor_caches()  # [Note: One process, two libraries]
@@ -107,11 +128,18 @@ def bench_optim(
         timing, _ = time_call(step, repeat, collect=False)
         record[f"{name}_s"] = timing.median
         gc.collect()
+    reference = "fsdp_rs" if "fsdp_rs" in models else "torch"
     shards = [
-        [_local(p).detach() for p in models[n].parameters()] for n in ("fsdp_rs", "fsdp_rs_flat")
+        [_local(p).detach() for p in models[n].parameters()] for n in (reference, "fsdp_rs_flat")
     ]
     record["equal"] = all(map(torch.equal, *shards))  # the same steps from the same grads
-    record["flat_speedup"] = record["torch_s"] / record["fsdp_rs_flat_s"]
+    record["equal_to"] = reference
+    torch_s = record["torch_s"]
+    record["flat_speedup"] = None if torch_s is None else torch_s / record["fsdp_rs_flat_s"]
+    if "step" not in columns:
+        del models, opts
+        gc.collect()
+        return record
     clips = {"torch": torch.nn.utils.clip_grad_norm_, "fsdp_rs_flat": clip_grad_norm_}
     for name, clip in clips.items():
         model, opt = models[name], opts[name]

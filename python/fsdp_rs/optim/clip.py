@@ -27,7 +27,9 @@ gradients' mesh for every norm type (torch returns the inf-norm as a
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,13 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_rs.runtime.grad_buffers import local_tensor, sharded_grad_buffers
+from fsdp_rs.runtime.params import is_none
 
 __all__ = ["clip_grad_norm_"]
+
+
+_GRAD = operator.attrgetter("grad")
+_SPEC = operator.attrgetter("_spec")
 
 
 def _grads_of(parameters) -> list[torch.Tensor]:
@@ -44,7 +51,23 @@ def _grads_of(parameters) -> list[torch.Tensor]:
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+    return [g for g in map(_GRAD, parameters) if g is not None]
+
+
+def _reduce_keys(grads: list[torch.Tensor]) -> list[tuple | None]:
+    """``_reduce_dims`` of each DTensor gradient, worked out once per distinct
+    spec (a group's gradients share a few) and interned: equal keys are one
+    object, so they compare by identity."""
+    specs = list(map(_SPEC, grads))
+    ids = list(map(id, specs))
+    table: dict[int, tuple | None] = {}
+    interned: dict[tuple, tuple] = {}
+    # each spec's first gradient (the earliest index is written last)
+    first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1), strict=True))
+    for i in dict.fromkeys(ids):
+        key = _reduce_dims(grads[first[i]])
+        table[i] = None if key is None else interned.setdefault(key, key)
+    return list(map(table.__getitem__, ids))
 
 
 def _reduce_dims(g: torch.Tensor) -> tuple | None:
@@ -101,29 +124,41 @@ def _clip(grads, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tens
             "fully_shard's DTensor gradients (as torch's clip_grad_norm_, which raises "
             "here too); clip the plain ones separately, or shard their module"
         )
-    keys = [_reduce_dims(g) for g in grads]
-    if None in keys:  # e.g. Partial: torch's own path
+    keys = _reduce_keys(grads)
+    if any(map(is_none, keys)):  # e.g. Partial: torch's own path
         return _torch_clip(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     whole, rest = sharded_grad_buffers(grads)
-    norms: dict[tuple, list[torch.Tensor]] = {key: [] for key in keys}  # grads' order
-    key_of = {id(g): key for g, key in zip(grads, keys, strict=True)}
+    # keys are interned: identity for equality, without hashing a DeviceMesh per gradient
+    distinct = {id(k): k for k in keys}  # in the gradients' order
+    norms: dict[int, list[torch.Tensor]] = {i: [] for i in distinct}
+    key_of = dict(zip(map(id, grads), keys, strict=True))
     # A buffer whose gradients are summed over different mesh dims (tensor-parallel
     # ones next to replicated ones, [Note: DTensor parameters]) goes per gradient.
-    mixed = [len({key_of[id(g)] for g in b.grads}) > 1 for b in whole]
+    mixed = [
+        not all(
+            map(
+                operator.is_,
+                map(key_of.__getitem__, map(id, b.grads)),
+                repeat(key_of[id(b.grads[0])]),
+            )
+        )
+        for b in whole
+    ]
     if any(mixed):
         rest = rest + [g for b, m in zip(whole, mixed, strict=True) if m for g in b.grads]
         whole = [b for b, m in zip(whole, mixed, strict=True) if not m]
     for b in whole:
-        norms[key_of[id(b.grads[0])]].append(torch.linalg.vector_norm(b.buffer, norm_type))
+        norms[id(key_of[id(b.grads[0])])].append(torch.linalg.vector_norm(b.buffer, norm_type))
     for g in rest:
         local = g._local_tensor
         if local.numel():  # an empty shard adds nothing (and has no inf-norm)
-            norms[key_of[id(g)]].append(torch.linalg.vector_norm(local, norm_type))
+            norms[id(key_of[id(g)])].append(torch.linalg.vector_norm(local, norm_type))
     device = grads[0]._local_tensor.device
     is_inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     totals = []
-    for (mesh, dims), parts in norms.items():  # the same keys, in one order, on every rank
+    for i, parts in norms.items():  # the same keys, in one order, on every rank
+        mesh, dims = distinct[i]
         value = _local_part(parts, norm_type, device)
         if dims:
             on_mesh = value.to(mesh.device_type)

@@ -58,11 +58,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.grad_buffers import ShardedBuffer, local_tensor, sharded_buffers
+from fsdp_rs.runtime.params import clear_grads
 
 __all__ = ["ELEMENTWISE", "FlatOptimizer"]
 
 _GRAD = operator.attrgetter("grad")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 #: The torch optimizers whose update is elementwise (see [Note: Flat optimizer]).
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -121,6 +121,11 @@ class _GroupState:
         self.flat: dict[str, torch.Tensor] = {}  # elementwise state buffers
         self.runs: list[_Run] = []
         self.signature: bytes | None = None  # of the runs' boundaries
+        # the runs were made from whole gradient buffers at the last step: while
+        # they stay whole, every run parameter steps, so the boundaries hold
+        self.whole_runs = False
+        # in the gradient layout: has a gradient when the buffer is whole
+        self.trainable = np.fromiter((o >= 0 for o in sb.grad_offsets), dtype=bool, count=n)
 
     def flat_buffer(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """The flat buffer of state ``key`` (zeros in the gradient layout, made once)."""
@@ -241,8 +246,16 @@ class FlatOptimizer(torch.optim.Optimizer):
         each run parameter's ``.grad`` set."""
         sb = gs.sb
         whole = sb.whole_grad_buffer()
+        if whole is not None and gs.whole_runs:  # the steady state: O(runs)
+            for run in gs.runs:
+                a, b = run.grad_span
+                run.param.grad = whole[a:b]
+            return gs.runs
+        gs.whole_runs = whole is not None
         if whole is not None:  # every trainable parameter has a gradient in it
-            has = np.fromiter(map(_REQUIRES_GRAD, sb.params), dtype=bool, count=len(sb.params))
+            # (a parameter frozen since the backward still has its .grad, which
+            # torch steps: the layout's trainable set, not requires_grad, decides)
+            has = gs.trainable
             sources = np.zeros(len(sb.params), dtype=np.int64)
             grad_of = None
         else:
@@ -407,6 +420,18 @@ class FlatOptimizer(torch.optim.Optimizer):
             run.buf.counts[run.first : run.last + 1] += 1
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; ``set_to_none=True`` (the default) as one C-level
+        pass per parameter group instead of a Python step per parameter."""
+        if not set_to_none:
+            return super().zero_grad(set_to_none=False)
+        if not hasattr(self, "_zero_grad_profile_name"):
+            self._patch_step_function()
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            for group in self.param_groups:
+                clear_grads(group["params"])
+        return None
+
     def _shadow_step(self, entries: list[tuple[int, torch.Tensor, dict]]) -> None:
         """torch's step of the user's optimizer class over ``entries`` (user group,
         tensor, its state), with the user groups' hyperparameters."""
@@ -456,7 +481,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         """``_import_state`` for one group: also when its gradient layout changed
         (another set of trainable parameters); a frozen parameter keeps its state
         as it is."""
-        gs.runs, gs.signature = [], None
+        gs.runs, gs.signature, gs.whole_runs = [], None, False
         gs.counts[:] = 0
         sb = gs.sb
         for i, p in enumerate(sb.params):

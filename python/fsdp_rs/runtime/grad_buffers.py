@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,13 +56,13 @@ def _whole(group) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """The group's gradient buffer and its views when each view is alive and
     still its parameter's ``.grad`` ([Note: Whole gradient buffers])."""
     buffer, views = group._owned()
-    if (
-        buffer is None
-        or any(map(is_none, views))
-        or not all(map(operator.is_, map(_GRAD, group._grad_params), views))
-    ):
+    if buffer is None or any(map(is_none, views)):
         return None
-    return buffer, views
+    # the group's own DTensor parameters: their .grad without a __torch_function__
+    # round trip (DTensor's is disabled; half the cost of this pass)
+    with torch._C.DisableTorchFunctionSubclass():
+        same = all(map(operator.is_, map(_GRAD, group._grad_params), views))
+    return (buffer, views) if same else None
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,44 @@ def sharded_grad_buffers(
     """Split ``grads`` into whole group buffers ([Note: Whole gradient buffers])
     and the rest, each in the order first seen. Costs O(len(grads)) C-level
     passes and O(groups) Python."""
+    try:
+        bases = list(map(_LOCAL_BASE, grads))
+    except AttributeError:  # a plain tensor among them
+        return _sharded_grad_buffers_slow(grads)
+    per_base = Counter(map(id, bases))  # how many of ``grads`` view each base
+    # id -> base (the first seen is written last)
+    first = dict(zip(map(id, reversed(bases)), reversed(bases), strict=True))
+    passed = set(map(id, grads))
+    whole: list[GradBuffer] = []
+    covered: set[int] = set()
+    for i, count in per_base.items():
+        ref = getattr(first[i], "_fsdp_rs_group", None)
+        group = ref() if ref is not None else None
+        found = _whole(group) if group is not None else None
+        # every view passed, once each (a gradient passed twice is scaled twice):
+        # as many gradients view this buffer as it has views, and each view is one
+        if (
+            found is not None
+            and found[0] is first[i]
+            and count == len(found[1])
+            and all(map(passed.__contains__, map(id, found[1])))
+        ):
+            whole.append(GradBuffer(found[0], found[1]))
+            covered.add(i)
+    if len(covered) == len(per_base):
+        return whole, []
+    rest = [g for g, b in zip(grads, bases, strict=True) if id(b) not in covered]
+    return whole, rest
+
+
+_LOCAL_BASE = operator.attrgetter("_local_tensor._base")
+
+
+def _sharded_grad_buffers_slow(
+    grads: Sequence[torch.Tensor],
+) -> tuple[list[GradBuffer], list[torch.Tensor]]:
+    """``sharded_grad_buffers`` with a Python step per gradient, for inputs
+    that are not all DTensors."""
     candidates: dict[int, tuple[object, list[torch.Tensor]]] = {}
     rest: list[torch.Tensor] = []
     for g in grads:
