@@ -160,10 +160,12 @@ class _Meter:
     an earlier run left behind) are not counted, so each library's run is
     measured from the same zero."""
 
-    def __init__(self, device: torch.device, roots: tuple, base: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, roots: tuple, base: int = 0, requested_base: int = 0
+    ) -> None:
         self.cuda = device.type == "cuda"
         self._base = base
-        self._requested_base = _requested("current") if self.cuda else 0
+        self._requested_base = requested_base
         self._tracker = None
         if not self.cuda:
             self._tracker = _tracker()
@@ -262,11 +264,12 @@ def measure(
         _cpu_index.clear()
         activations = _activations(name, options, dim, layers, batch, device)
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    requested_base = _requested("current") if device.type == "cuda" else 0
     with contextlib.ExitStack() as stack:
         model = _model(name, dim, layers).to(device)
         if options.get("frozen_weights"):
             _freeze_weights(model)
-        meter = stack.enter_context(_Meter(device, (model,), base))
+        meter = stack.enter_context(_Meter(device, (model,), base, requested_base))
         for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
