@@ -561,7 +561,7 @@ class GradientReduction:
         buffer = self._new_sharded_grads(torch.empty)
         buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
         local = self._grad_views(buffer)
-        views = list(map(self._sharded_view, local, self._grad_index))
+        views = self._sharded_grad_views(local, buffer.dtype)
         self._grad_ref = weakref.ref(buffer)
         self._view_refs = list(map(weakref.ref, views))
         return buffer, views

@@ -25,6 +25,7 @@ over several) it waits; lazy init adopts before the first forward.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -89,6 +90,9 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_dtensor = DTensor.__new__
 
 
+_NEW_GRAD_VIEW = functools.partial(_new_dtensor, DTensor, requires_grad=False)
+
+
 def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` (no copy); see [Note: Cheap sharded parameters]."""
     return _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)
@@ -110,6 +114,8 @@ _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 class FSDPParamGroup(Unsharding, GradientReduction):
     dims: list[int] | None = None  # the dim FSDP shards per parameter; None: all 0
+    # (the _grad_index they are for, dtype, a spec per trainable parameter)
+    _grad_specs: tuple | None = None
     annotations: list | None = None  # [Note: spmd_types parameters]
 
     def __init__(
@@ -351,6 +357,16 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         """A DTensor (not a parameter) over ``local``, this rank's shard of
         parameter ``i``."""
         return _dtensor(local, self._spec_of(i, local.dtype))
+
+    def _sharded_grad_views(self, local: list[torch.Tensor], dtype: torch.dtype) -> list[DTensor]:
+        """``_sharded_view`` of each trainable parameter's ``local`` shard (in
+        ``dtype``): one C-level pass, the specs looked up once per gradient
+        layout (a backward makes these views for every parameter)."""
+        cached = self._grad_specs
+        if cached is None or cached[0] is not self._grad_index or cached[1] != dtype:
+            specs = [self._spec_of(i, dtype) for i in self._grad_index]
+            cached = self._grad_specs = (self._grad_index, dtype, specs)
+        return list(map(_NEW_GRAD_VIEW, local, cached[2]))
 
     def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every param, viewed in a row-layout buffer."""
