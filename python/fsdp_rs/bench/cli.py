@@ -605,12 +605,6 @@ def _run_optim(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
-    recs = [
-        bench_optim(
-            n, args.world_size, args.block_params, args.optimizer, args.repeat, device, columns
-        )
-        for n in args.params or (1_000, 10_000)
-    ]
     print(f"optim: {args.optimizer}, W={args.world_size} (rank 0), {device.type}, ms per step")
     head = ("params", "plain", "FSDP2", "rs", "rs flat", "flat vs FSDP2", "step FSDP2")
     print(" ".join(f"{h:>13s}" for h in (*head, "step rs flat", "step speedup", "equal")))
@@ -621,17 +615,33 @@ def _run_optim(args: argparse.Namespace) -> int:
     def times(x):
         return f"{'-':>12s} " if x is None else f"{x:12.1f}x"
 
-    for r in recs:
+    def progress(line: str) -> None:  # each column as it ends: a time limit keeps them
+        print(f"  ({line})", file=sys.stderr, flush=True)
+
+    recs = []
+    for n in args.params or (1_000, 10_000):
+        r = bench_optim(
+            n,
+            args.world_size,
+            args.block_params,
+            args.optimizer,
+            args.repeat,
+            device,
+            columns,
+            progress=progress,
+        )
+        recs.append(r)
         cols = [r["plain_s"], r["torch_s"], r["fsdp_rs_s"], r["fsdp_rs_flat_s"]]
         print(
             f"{r['n_params']:>13d} "
             + " ".join(map(ms, cols))
             + f" {times(r['flat_speedup'])}{ms(r['step_torch_s'])}"
             + f" {ms(r['step_fsdp_rs_flat_s'])} {times(r['step_speedup'])}"
-            + f"{r['equal']!s:>13s}"
+            + f"{r['equal']!s:>13s}",
+            flush=True,
         )
-    if args.json:
-        write_json(recs, args.json)
+        if args.json:  # after each size, for the same reason
+            write_json(recs, args.json)
     return 0 if all(r["equal"] for r in recs) else 1
 
 

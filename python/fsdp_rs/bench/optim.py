@@ -18,6 +18,7 @@ shards must be equal bit for bit (``equal``).
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ def bench_optim(
     repeat: int,
     device: torch.device,
     columns: tuple[str, ...] = COLUMNS,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """One record: median seconds per optimizer step of each column, and of a
     whole training step under FSDP2 and fsdp-rs + flat; None for a column not
@@ -127,6 +129,8 @@ def bench_optim(
 
         timing, _ = time_call(step, repeat, collect=False)
         record[f"{name}_s"] = timing.median
+        if progress is not None:
+            progress(f"N={n_params} {name} optimizer step {timing.median * 1e3:.2f} ms")
         gc.collect()
     reference = "fsdp_rs" if "fsdp_rs" in models else "torch"
     shards = [
@@ -153,6 +157,8 @@ def bench_optim(
 
         timing, _ = time_call(train, max(repeat // 2, 1), warmup=1, collect=False)
         record[f"step_{name}_s"] = timing.median
+        if progress is not None:
+            progress(f"N={n_params} {name} whole step {timing.median * 1e3:.2f} ms")
     record["step_speedup"] = record["step_torch_s"] / record["step_fsdp_rs_flat_s"]
     del models, opts
     gc.collect()
