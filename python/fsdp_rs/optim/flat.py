@@ -39,10 +39,14 @@ are one tensor shared by the run's parameters' ``self.state`` entries;
 holds (plain tensors, ignored parameters) are stepped per parameter by the same
 shadow.
 
-Cost per step: O(groups) Python when every group's gradients are whole buffers
-and the runs did not change, plus one numpy pass over each group's parameters;
-O(parameters) Python only in steps where some parameter's gradient is missing
-or replaced, and once per parameter when its state is first made.
+Cost per step: O(runs) Python while every group's gradients are whole
+buffers, as at the last step (the runs are reused as they are), plus the
+whole-buffer test: one C-level pass per group over its parameters' ``.grad``
+(about 0.25 us a parameter on CPU, half of a 1e4-parameter step; it is what
+keeps a replaced ``.grad`` from being stepped as the buffer's). A numpy pass
+over a group's parameters when its runs are made again; O(parameters) Python
+only in steps where some parameter's gradient is missing or replaced, and
+once per parameter when its state is first made.
 """
 
 from __future__ import annotations
