@@ -47,7 +47,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _group_of(t: torch.Tensor):
     """The group whose sharded or gradient buffer ``t``'s local tensor views."""
-    base = getattr(getattr(t, "_local_tensor", None), "_base", None)
+    base = _local_base(t)
     ref = getattr(base, "_fsdp_rs_group", None) if base is not None else None
     return ref() if ref is not None else None
 
@@ -81,8 +81,8 @@ def sharded_grad_buffers(
     passes and O(groups) Python."""
     try:
         bases = list(map(_LOCAL_BASE, grads))
-    except AttributeError:  # a plain tensor among them
-        return _sharded_grad_buffers_slow(grads)
+    except AttributeError:  # a plain tensor among them: its base is None, as a non-view's
+        bases = list(map(_local_base, grads))
     per_base = Counter(map(id, bases))  # how many of ``grads`` view each base
     # id -> base (the first seen is written last)
     first = dict(zip(map(id, reversed(bases)), reversed(bases), strict=True))
@@ -112,29 +112,9 @@ def sharded_grad_buffers(
 _LOCAL_BASE = operator.attrgetter("_local_tensor._base")
 
 
-def _sharded_grad_buffers_slow(
-    grads: Sequence[torch.Tensor],
-) -> tuple[list[GradBuffer], list[torch.Tensor]]:
-    """``sharded_grad_buffers`` with a Python step per gradient, for inputs
-    that are not all DTensors."""
-    candidates: dict[int, tuple[object, list[torch.Tensor]]] = {}
-    rest: list[torch.Tensor] = []
-    for g in grads:
-        group = _group_of(g)
-        if group is None:
-            rest.append(g)
-            continue
-        candidates.setdefault(id(group), (group, []))[1].append(g)
-    whole: list[GradBuffer] = []
-    for group, passed in candidates.values():
-        found = _whole(group)
-        # every view passed, once each (a gradient passed twice is scaled twice)
-        if found is not None and len(passed) == len(found[1]):
-            if set(map(id, passed)) == set(map(id, found[1])):
-                whole.append(GradBuffer(found[0], passed))
-                continue
-        rest.extend(passed)
-    return whole, rest
+def _local_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a DTensor's local shard is a view of (None for a plain tensor)."""
+    return getattr(getattr(t, "_local_tensor", None), "_base", None)
 
 
 @dataclass(eq=False)
