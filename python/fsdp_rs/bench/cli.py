@@ -582,7 +582,7 @@ def _add_optim(subparsers) -> None:
 def _run_optim(args: argparse.Namespace) -> int:
     import torch
 
-    from fsdp_rs.bench.optim import COLUMNS, OPTIMIZERS, bench_optim
+    from fsdp_rs.bench.optim import OPTIMIZERS, bench_optim, check_columns
     from fsdp_rs.bench.report import write_json
 
     if args.optimizer not in OPTIMIZERS:
@@ -592,16 +592,10 @@ def _run_optim(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         args.parser.error("--world-size must be at least 1")
     columns = tuple(c.strip() for c in args.columns.split(",") if c.strip())
-    if (
-        not set(columns) <= set(COLUMNS)
-        or "flat" not in columns
-        or not {"torch", "fsdp_rs"} & set(columns)
-        or ("step" in columns and "torch" not in columns)
-    ):
-        args.parser.error(
-            f"--columns {args.columns!r}: choose from {','.join(COLUMNS)}, with flat and "
-            "torch or fsdp_rs (step needs torch)"
-        )
+    try:
+        check_columns(columns)
+    except ValueError as e:
+        args.parser.error(f"--columns: {e}")
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)

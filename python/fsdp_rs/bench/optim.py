@@ -28,7 +28,7 @@ from fsdp_rs.bench.timing import fresh_dtensor_caches, time_call
 from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
 from fsdp_rs.runtime.grad_buffers import local_tensor as _local
 
-__all__ = ["COLUMNS", "OPTIMIZERS", "bench_optim"]
+__all__ = ["COLUMNS", "OPTIMIZERS", "bench_optim", "check_columns"]
 
 #: What ``columns`` may name: the four optimizer steps and the whole training step
 #: (which needs ``torch`` and ``flat``).
@@ -67,6 +67,17 @@ def _train_step(model, opt, clip, x: torch.Tensor) -> None:
     opt.zero_grad()
 
 
+def check_columns(columns: tuple[str, ...]) -> None:
+    """ValueError unless ``columns`` are among ``COLUMNS``, name flat and one to
+    check its shards against (torch or fsdp_rs), and torch where they name step."""
+    if not set(columns) <= set(COLUMNS) or "flat" not in columns:
+        raise ValueError(f"columns {columns!r}: choose from {','.join(COLUMNS)}, flat included")
+    if not {"torch", "fsdp_rs"} & set(columns):
+        raise ValueError("the flat shards are checked against torch's or fsdp_rs's: add one")
+    if "step" in columns and "torch" not in columns:
+        raise ValueError("the step column compares with FSDP2: add torch")
+
+
 def bench_optim(
     n_params: int,
     world_size: int,
@@ -84,14 +95,7 @@ def bench_optim(
     FSDP2's where that column is left out (their shards are the same bits)."""
     from fsdp_rs.optim import FlatOptimizer, clip_grad_norm_
 
-    unknown = sorted(set(columns) - set(COLUMNS))
-    if unknown or "flat" not in columns or not {"torch", "fsdp_rs"} & set(columns):
-        raise ValueError(
-            f"bench_optim: columns {columns!r} must be among {COLUMNS} and name flat and "
-            "torch or fsdp_rs (the flat shards are checked against one of them)"
-        )
-    if "step" in columns and "torch" not in columns:
-        raise ValueError("bench_optim: the step column compares with FSDP2: add torch")
+    check_columns(columns)
     cls, kwargs = OPTIMIZERS[optimizer]
     fake_process_group(world_size)
     x = torch.zeros(4, device=device)
