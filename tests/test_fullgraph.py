@@ -89,10 +89,6 @@ def _count(ops: list[str], sequence: list[str]) -> int:
 # DTensor's to_local for backward beside the tensors when the blocks checkpoint
 # their activations, then asserts that it saved tensors only.
 AC_BROKEN = ((2, 13),)
-# On torch 2.9 the copy-out's autograd formula receives gradients (zeros) for
-# the parameters nothing used, not None, so they get zero gradients there
-# ([Note: Unused parameters under trace]); 2.13 and 2.15 hand it None.
-UNUSED_GET_ZEROS = ((2, 9),)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -138,10 +134,7 @@ def _check_parity(results: list[dict], name: str) -> None:
         # a parameter nothing used keeps no gradient, as in eager
         if spec["spare"]:
             assert eager["no_grad"] == ["spare", "blocks.0.spare"], eager["no_grad"]
-        if spec["spare"] and _torch_version() in UNUSED_GET_ZEROS:
-            assert compiled["no_grad"] == [], (rank, compiled["no_grad"])
-        else:
-            assert compiled["no_grad"] == eager["no_grad"], (rank, compiled["no_grad"])
+        assert compiled["no_grad"] == eager["no_grad"], (rank, compiled["no_grad"])
         if spec["backend"] == "inductor":
             tol = INDUCTOR_TOLERANCE[spec["bf16"]]
             torch.testing.assert_close(compiled["losses"], eager["losses"], **tol)

@@ -24,9 +24,9 @@ gradient. One buffer cut into views would not do: the cut's backward fills
 unused pieces with zeros. Whether a parameter was used is then a fact of this
 rank's graph; ranks whose graphs differ would drop one rank's gradient from
 another's shard, so where a gradient is missing the backward also all-reduces
-the used-mask and asserts that every rank's is the same. On torch 2.9 the
-formula receives zeros rather than None for such parameters, which then get
-zero gradients (2.13 and 2.15 hand it None; tests/test_fullgraph.py).
+the used-mask and asserts that every rank's is the same. The local tensors come
+from the parameters through a ``to_local`` that keeps a missing gradient
+missing ([Note: The local tensors' missing gradients]).
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed.tensor._api import _ToTorchTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -274,12 +275,42 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
     return list(unsharded)
 
 
+class _LocalOf(_ToTorchTensor):
+    """``DTensor.to_local()`` whose backward passes a missing gradient on as
+    missing ([Note: The local tensors' missing gradients])."""
+
+    @staticmethod
+    def forward(ctx, dtensor, grad_placements):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        return _ToTorchTensor.forward(ctx, dtensor, grad_placements)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None:
+            return None, None
+        return _ToTorchTensor.backward(ctx, grad)
+
+
+@torch._dynamo.allow_in_graph
+def _local_of(param: torch.Tensor) -> torch.Tensor:
+    """[Note: The local tensors' missing gradients]
+    The copy-out's formula gives no gradient to the local tensor of a parameter
+    nothing used ([Note: Unused parameters under trace]); that must reach the
+    DTensor parameter as no gradient. ``DTensor.to_local()``'s backward on torch
+    before 2.10 turns a missing gradient into zeros (its autograd function
+    materializes them), so there such a parameter got a zero gradient, which
+    optimizers step (weight decay, momentum) where eager skips it. This is the
+    same function with missing gradients passed on, as torch 2.10+ does; Dynamo
+    puts it in the graph as one call, as it does ``to_local``."""
+    return _LocalOf.apply(param, None)
+
+
 def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
     group = traced.group
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
         return registered
-    local = [p.to_local() for p in group.sharded_params]
+    local = [_local_of(p) for p in group.sharded_params]
     if group.reshard_after_forward is not False and torch.is_grad_enabled():
         views = checkpoint(
             _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
