@@ -85,9 +85,11 @@ def _count(ops: list[str], sequence: list[str]) -> int:
     return count
 
 
-# torch 2.13's AOT autograd (not 2.9's, not 2.15's) saves the DeviceMesh of a
-# DTensor's to_local for backward beside the tensors when the blocks checkpoint
-# their activations, then asserts that it saved tensors only.
+# torch 2.13's partitioner (not 2.9's, not 2.15's): where a checkpointed block
+# holds an op tagged random (SDPA), functionalize_rng_ops appends the saved RNG
+# states after the saved opaque values (the parameters' DeviceMesh, which the
+# backward needs for their DTensor gradients), so the runtime's slice of saved
+# tensors holds the mesh and asserts (README, "torch.compile").
 AC_BROKEN = ((2, 13),)
 
 
