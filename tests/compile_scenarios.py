@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_rs.demo import Block
@@ -171,6 +172,10 @@ def sharded_model(
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": spec["raf"]}
     if spec["bf16"]:
         kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.get("shard1"):  # matrices whose dim 1 splits evenly, on dim 1
+        kwargs["shard_placement_fn"] = lambda p: (
+            Shard(1) if p.ndim == 2 and p.shape[1] % world_size == 0 else None
+        )
     for block in model.blocks:
         fs(block, **kwargs)
     fs(model, **kwargs)

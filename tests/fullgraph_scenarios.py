@@ -28,8 +28,9 @@ STEPS = 5
 # ``how``: torch.compile(model) or model.compile(); ``backend``: "aot_eager"
 # and "eager" (bit for bit), "inductor"; ``twice``: the first block runs twice
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
-# both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards. The rest as
-# in compile_scenarios.BASE.
+# both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards; ``shard1``:
+# the matrices sharded on dim 1 (shard_placement_fn). The rest as in
+# compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
     "how": "model",
@@ -37,6 +38,7 @@ FULLGRAPH_BASE = {
     "accumulate": False,
     "spare": False,
     "hsdp": False,
+    "shard1": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -62,6 +64,7 @@ _CONFIGS = {
     # all-reduce alone), at W = 4 of two; with the unused parameters, whose
     # used-mask is compared across both mesh dims
     "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True, "spare": True},
+    "aot_eager_shard1": {"backend": "aot_eager", "shard1": True},
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_scenarios import BASE, INDUCTOR_TOLERANCE, LAYERS, sharded_model, tokens
@@ -100,7 +101,7 @@ def _torch_version() -> tuple[int, int]:
 
 # At W = 4 the reduce-scatter sums more than two ranks: the traced reduction
 # must add them in eager's order (its input laid out as eager's), bit for bit.
-W4_SCENARIOS = ["aot_eager_raf", "aot_eager_hsdp"]
+W4_SCENARIOS = ["aot_eager_raf", "aot_eager_hsdp", "aot_eager_shard1"]
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +163,12 @@ def _check_listing(results: list[dict], name: str, world_size: int) -> None:
     graphs = results[0][name]["compiled"]["graphs"]
     forward = [op for g in graphs if g["kind"] == "forward" for op in g["ops"]]
     backward = [op for g in graphs if g["kind"] == "backward" for op in g["ops"]]
-    assert _count(forward, gather) == GROUPS, forward
-    assert _count(backward, reduce) == GROUPS, backward
+    # with shard1, each fully_shard call has two groups: dim 1's and dim 0's
+    groups = GROUPS * (2 if spec["shard1"] else 1)
+    assert _count(forward, gather) == groups, forward
+    assert _count(backward, reduce) == groups, backward
     regathers = _count(backward, gather)
-    assert regathers == (GROUPS if spec["raf"] else 0), backward
+    assert regathers == (groups if spec["raf"] else 0), backward
     # Resharding after forward, the forward graph saves no unsharded parameter
     # (it is gathered again); else it keeps them, as eager does.
     saved = sum(g["saves_unsharded"] for g in graphs if g["kind"] == "forward")
@@ -209,6 +212,26 @@ def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
         model.blocks[0].set_fullgraph_compile()
     with pytest.raises(TypeError, match="must be a bool"):
         model.set_fullgraph_compile("yes")
+
+
+def test_set_fullgraph_compile_takes_groups_sharded_on_dim_1(fake_pg):
+    """The shard1 scenario's model: its matrices are sharded on dim 1 (in a
+    ShardDimGroup per fully_shard call, beside the plain group of its vectors)
+    and the traced hooks take them, with the chunk table the eager copies use."""
+    from fsdp_rs.runtime.shard_dim import ShardDimGroup
+
+    model = _model(fake_pg, shard1=True)
+    placements = {n: p.placements for n, p in model.named_parameters()}
+    assert placements["blocks.0.mlp.0.weight"] == (Shard(1),), placements
+    assert placements["norm.weight"] == (Shard(0),), placements
+    model.set_fullgraph_compile()
+    states = [model._state, *(block._state for block in model.blocks)]
+    for state in states:
+        kinds = sorted(type(t.group).__name__ for t in state.traced_groups)
+        assert kinds == ["FSDPParamGroup", "ShardDimGroup"], kinds
+        for traced in state.traced_groups:
+            dim1 = isinstance(traced.group, ShardDimGroup)
+            assert (traced.chunk_numel is not None) == dim1
 
 
 def test_fullgraph_names_a_flag_it_does_not_follow(fake_pg):

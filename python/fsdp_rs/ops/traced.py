@@ -61,6 +61,7 @@ def unshard_copy_out(
     reduce_dtype: torch.dtype,
     replicate_group_name: str,
     all_reduce_op: str,
+    chunk_numel: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
     back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
@@ -70,7 +71,9 @@ def unshard_copy_out(
     ``sharded_numels`` elements), which take the gradient; the rest configures
     the reduction (``group_name``: the shard process group, ``reduce_op``:
     ``"sum"`` or ``"avg"``; ``replicate_group_name``: the replicas' process
-    group, "" without, and ``all_reduce_op`` its op).
+    group, "" without, and ``all_reduce_op`` its op). ``chunk_numel``: for a
+    group sharded on a dim other than 0, the copies' table of chunk lengths
+    ([Note: Sharding on another dim]); None on dim 0.
 
     [Note: This rank's numels in the graph]
     ``sharded_numels`` is checked here, and it is also what keeps the graphs of
@@ -91,6 +94,7 @@ def unshard_copy_out(
         tile_param,
         tile_start,
         tile_len,
+        chunk_numel,
     )
     shapes = _shapes(dims, ranks)
     return [t[: math.prod(shape)].view(shape) for t, shape in zip(padded, shapes, strict=True)]
@@ -138,6 +142,7 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.reduce_dtype,
         ctx.replicate_group_name,
         ctx.all_reduce_op,
+        ctx.chunk_numel,
     ) = inputs[8:]
     # the process groups the reduction runs a collective over (none on one rank)
     shard_group = ctx.group_name if ctx.rows > 1 else ""
@@ -147,7 +152,9 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grads: list[torch.Tensor | None]):
     used = [g is not None for g in grads]
     rs_in = torch.empty((ctx.rows, ctx.row_numel), dtype=ctx.reduce_dtype, device=ctx.device)
-    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, rs_in, *ctx.tables, ctx.pre)
+    if ctx.chunk_numel is not None:  # each viewed as planned: (W, numel / W)
+        grads = [None if g is None else g.reshape(ctx.rows, -1) for g in grads]
+    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, rs_in, *ctx.tables, ctx.pre, ctx.chunk_numel)
     functional = torch.ops._c10d_functional
     if ctx.rows > 1:
         output = functional.reduce_scatter_tensor(
@@ -168,7 +175,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
         row.as_strided(shape, stride, offset) if u else None
         for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
     ]
-    return (None, sharded, *([None] * 18))
+    return (None, sharded, *([None] * 19))
 
 
 def _check_used(used: list[bool], ctx) -> None:

@@ -42,7 +42,8 @@ in-place ``set_`` tricks to free memory inside the graph, which recomputation
 makes unnecessary.
 
 Supported: FSDP and HSDP meshes (the replicas' all-reduce in the backward
-graph too), floating-point groups sharded on dim 0, every parameter of a group
+graph too), floating-point groups sharded on any dim ([Note: Sharding on
+another dim]: the copies take the group's chunk table), every parameter of a group
 trainable or none, no CPU offload, one module per ``fully_shard`` call.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
 change later and that this path does not follow (no gradient sync, the
@@ -74,6 +75,7 @@ from fsdp_rs.runtime.plan_check import (
     mesh_dims,
     per_rank,
 )
+from fsdp_rs.runtime.shard_dim import ShardDimGroup
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
 from fsdp_rs.runtime.unshard import ShardedState
 
@@ -100,6 +102,8 @@ class TracedGroup:
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
+        # sharded on another dim: the copies' chunk table (made here, eagerly)
+        self.chunk_numel = group._chunks(None) if isinstance(group, ShardDimGroup) else None
         # (module, name, parameter index) of every registration slot
         owner = {id(m._parameters): m for m in module.modules()}
         managed = group.managed
@@ -138,8 +142,8 @@ def _static_reason(state, group) -> str | None:
 
     if len(state.modules) > 1:
         return "it shards several modules in one fully_shard call"
-    if type(group) is not FSDPParamGroup:
-        return "its parameters are sharded on another dim or gathered by an extension"
+    if type(group) not in (FSDPParamGroup, ShardDimGroup):
+        return "its parameters are gathered by an all-gather extension"
     if group.offload_to_cpu:
         return "it offloads to CPU"
     if group.nd is not None or group.annotations is not None:
@@ -271,6 +275,7 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         group.reduce_dtype,
         traced.replicate_name,
         traced.all_reduce_op,
+        traced.chunk_numel,
     )
     return list(unsharded)
 
