@@ -29,7 +29,8 @@ STEPS = 5
 # and "eager" (bit for bit), "inductor"; ``twice``: the first block runs twice
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
 # both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards; ``shard1``:
-# the matrices sharded on dim 1 (shard_placement_fn). The rest as in
+# the matrices sharded on dim 1 (shard_placement_fn); ``flat``: fsdp_rs's
+# FlatOptimizer(AdamW) with weight decay, not SGD. The rest as in
 # compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
@@ -39,6 +40,7 @@ FULLGRAPH_BASE = {
     "spare": False,
     "hsdp": False,
     "shard1": False,
+    "flat": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -60,6 +62,8 @@ _CONFIGS = {
     # ``spare``: a parameter in the root's group and one in a block's that the
     # forward never uses: no gradient for them, as in eager
     "aot_eager_spare": {"backend": "aot_eager", "spare": True},
+    # the unused parameters stay as they are under a flat AdamW with weight decay
+    "aot_eager_spare_flat": {"backend": "aot_eager", "spare": True, "flat": True},
     # HSDP, two replicas: at W = 2 of one shard each (no reduce-scatter, the
     # all-reduce alone), at W = 4 of two; with the unused parameters, whose
     # used-mask is compared across both mesh dims
@@ -184,7 +188,12 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
             run = torch.compile(model, **options)
         else:
             model.compile(**options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if spec["flat"]:  # weight decay would move a parameter given a zero gradient
+        from fsdp_rs.optim import FlatOptimizer
+
+        opt = FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, first_step = [], 0
     micro = 2 if spec["accumulate"] else 1
     for step in range(STEPS):
