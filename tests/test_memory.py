@@ -7,7 +7,6 @@ streams live longer ([Note: Cross-stream lifetimes])."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -34,8 +33,6 @@ EXTRA = {
     "no_reshard_accumulate_4_no_sync": (2, {"reshard_after_forward": False, "micro": 4}),
     "hsdp_accumulate_4_no_sync": (4, {"hsdp": True, "micro": 4}),
 }
-# CPU offload (CPUOffloadPolicy, both libraries) on top of a bench config.
-OFFLOAD = {"cpu_offload": "fp32", "cpu_offload_bf16": "bf16_fp32_reduce"}
 
 
 @pytest.fixture
@@ -46,19 +43,6 @@ def fake_pg(request):
     dist.destroy_process_group()
 
 
-def _offload(monkeypatch) -> None:
-    """Both libraries' ``fully_shard`` (as ``measure`` imports them) with a CPU
-    offload policy."""
-    import torch.distributed.fsdp as torch_fsdp
-
-    import fsdp_rs
-
-    for module in (fsdp_rs, torch_fsdp):
-        policy = module.CPUOffloadPolicy(pin_memory=False)  # pinning needs a GPU
-        shard = functools.partial(module.fully_shard, offload_policy=policy)
-        monkeypatch.setattr(module, "fully_shard", shard)
-
-
 def _above(ours: int, theirs: int) -> bool:
     """More than FSDP2, beyond the tolerance: +1% or +1 MiB, whichever is larger."""
     return ours > max(theirs * 1.01, theirs + MiB)
@@ -66,13 +50,9 @@ def _above(ours: int, theirs: int) -> bool:
 
 def _config(config: str, monkeypatch) -> str:
     """The bench config a test parameter names: an ``EXTRA`` combination is
-    added to ``CONFIGS`` for the test, an ``OFFLOAD`` one turns CPU offload on
-    in both libraries and names the config it runs on top of."""
+    added to ``CONFIGS`` for the test."""
     if config in EXTRA:
         monkeypatch.setitem(CONFIGS, config, EXTRA[config])
-    if config in OFFLOAD:
-        _offload(monkeypatch)
-        config = OFFLOAD[config]
     return config
 
 
@@ -88,7 +68,7 @@ def _check_prediction(config: str, ours: dict) -> None:
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True, ids=["W4"])
-@pytest.mark.parametrize("config", [*CONFIGS, *EXTRA, *OFFLOAD])
+@pytest.mark.parametrize("config", [*CONFIGS, *EXTRA])
 def test_memory_not_above_fsdp2_and_predicted(fake_pg, config, monkeypatch):
     config = _config(config, monkeypatch)
     ours = measure("fsdp_rs", config, fake_pg, torch.device("cpu"), **SIZES)
@@ -107,7 +87,7 @@ def test_memory_not_above_fsdp2_and_predicted(fake_pg, config, monkeypatch):
 
 
 @pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])
-@pytest.mark.parametrize("config", [*CONFIGS, *EXTRA, *OFFLOAD])
+@pytest.mark.parametrize("config", [*CONFIGS, *EXTRA])
 def test_predicted_peak_within_5_percent(fake_pg, config, monkeypatch):
     """W = 4 is checked beside the FSDP2 comparison above."""
     config = _config(config, monkeypatch)

@@ -56,6 +56,11 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     # fsdp-rs steps fsdp_rs.optim.FlatOptimizer(AdamW), FSDP2 torch's AdamW
     "flat_adamw": (2, {"flat": True}),
     "flat_adamw_frozen_weights": (2, {"flat": True, "frozen_weights": True}),
+    # CPUOffloadPolicy in both libraries (pinned host memory on CUDA): on CUDA
+    # the rows are device memory, the sharded parameters and AdamW's states
+    # being on the host
+    "cpu_offload": (2, {"offload": True}),
+    "cpu_offload_bf16": (2, {"offload": True, "mp": True}),
 }
 
 
@@ -120,13 +125,18 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
         return activation_profile(copy, [*_blocks(copy), copy], x, loss_fn=_loss)
 
 
-def _predict(model: nn.Module, options: dict, activations, input_bytes: int) -> int:
+def _predict(
+    model: nn.Module, options: dict, activations, input_bytes: int, device: torch.device
+) -> int:
     """The planner's predicted peak for one step of ``model`` (sharded with
-    fsdp-rs, not yet run): AdamW's states (two sharded copies of the trained
-    parameters, a step count each) and the input are resident."""
+    fsdp-rs, not yet run) on ``device``: AdamW's states (two sharded copies of
+    the trained parameters on ``device``, a step count each; with CPU offload
+    on an accelerator they are on the host) and the input are resident."""
     from fsdp_rs.runtime.memory_plan import predict_memory
 
-    trained = [p.to_local() for p in model.parameters() if p.requires_grad]
+    trained = [
+        p.to_local() for p in model.parameters() if p.requires_grad and p.device.type == device.type
+    ]
     optimizer = sum(2 * p.numel() * p.element_size() + 4 for p in trained)
     predicted = predict_memory(
         model,
@@ -244,9 +254,9 @@ def measure(
     from torch.distributed.device_mesh import init_device_mesh
 
     if library == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     else:
-        from fsdp_rs import MixedPrecisionPolicy, fully_shard
+        from fsdp_rs import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     options = CONFIGS[config][1]
     shape = (2, world_size // 2) if options.get("hsdp") else (world_size,)
     names = ("replicate", "shard") if options.get("hsdp") else ("shard",)
@@ -256,6 +266,8 @@ def measure(
         kwargs["reshard_after_forward"] = options["reshard_after_forward"]
     if options.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if options.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     gc.collect()
     name, activations = model, None
     if library == "fsdp_rs":
@@ -276,7 +288,7 @@ def measure(
         x = _input(name, dim, batch, device)
         predicted = None
         if activations is not None:
-            predicted = _predict(model, options, activations, x.nbytes)
+            predicted = _predict(model, options, activations, x.nbytes, device)
         trained = [p for p in model.parameters() if p.requires_grad]
         if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
             from fsdp_rs.optim import FlatOptimizer
