@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -163,15 +164,18 @@ def sharded_model(
     spec: dict, fs: Callable, mp_cls: type, world_size: int, model_cls: type | None = None
 ) -> Model:
     torch.manual_seed(0)
-    model = (model_cls or Model)(spec["ac"], spec["loop"])
+    device = spec.get("device", "cpu")
+    model = (model_cls or Model)(spec["ac"], spec["loop"]).to(device)
     if spec.get("hsdp"):  # two replicas of world_size // 2 shards
         names = ("replicate", "shard")
-        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
+        mesh = init_device_mesh(device, (2, world_size // 2), mesh_dim_names=names)
     else:
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device, (world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": spec["raf"]}
     if spec["bf16"]:
         kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if spec.get("shard1"):  # matrices whose dim 1 splits evenly, on dim 1
         kwargs["shard_placement_fn"] = lambda p: (
             Shard(1) if p.ndim == 2 and p.shape[1] % world_size == 0 else None

@@ -30,7 +30,7 @@ STEPS = 5
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
 # both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards; ``shard1``:
 # the matrices sharded on dim 1 (shard_placement_fn); ``flat``: fsdp_rs's
-# FlatOptimizer(AdamW) with weight decay, not SGD. The rest as in
+# FlatOptimizer(AdamW) with weight decay, not SGD; ``offload``: CPUOffloadPolicy. The rest as in
 # compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
@@ -41,6 +41,7 @@ FULLGRAPH_BASE = {
     "hsdp": False,
     "shard1": False,
     "flat": False,
+    "offload": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -69,6 +70,9 @@ _CONFIGS = {
     # used-mask is compared across both mesh dims
     "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True, "spare": True},
     "aot_eager_shard1": {"backend": "aot_eager", "shard1": True},
+    # CPUOffloadPolicy (on CPU the copies to and from the device are no-ops;
+    # test_fullgraph_offload_cuda runs them on a GPU), bf16 params
+    "aot_eager_offload_bf16": {"backend": "aot_eager", "offload": True, "bf16": True},
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }
@@ -199,7 +203,8 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     for step in range(STEPS):
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
             for k in range(micro):
-                loss = run(tokens(micro * step + k, rank)).float().pow(2).mean()
+                x = tokens(micro * step + k, rank).to(spec.get("device", "cpu"))
+                loss = run(x).float().pow(2).mean()
                 loss.backward()
                 losses.append(loss.item())
         no_grad = [name for name, p in model.named_parameters() if p.grad is None]
@@ -249,4 +254,27 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
     finish(out_dir, rank, results)
 
 
-__all__ = ["LAYERS", "SCENARIOS", "STEPS", "worker"]
+def cuda_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    """``worker``'s scenarios on CUDA over NCCL (one GPU per rank)."""
+    import datetime
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+    )
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            spec = {**SCENARIOS[name], "device": "cuda"}
+            results[name] = {
+                "eager": train(spec, world_size, rank, compiled=False),
+                "compiled": train(spec, world_size, rank, compiled=True),
+            }
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    finish(out_dir, rank, results)
+
+
+__all__ = ["LAYERS", "SCENARIOS", "STEPS", "cuda_worker", "worker"]

@@ -36,7 +36,7 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_scenarios import BASE, INDUCTOR_TOLERANCE, LAYERS, sharded_model, tokens
-from fullgraph_scenarios import SCENARIOS, worker
+from fullgraph_scenarios import SCENARIOS, cuda_worker, worker
 from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZE = 2
@@ -60,6 +60,8 @@ def _expected_ops(spec: dict, world_size: int) -> tuple[list[str], list[str]]:
     """The op sequences a group's forward gather and backward reduction show:
     with HSDP (two replicas) of one shard each, no all-gather or reduce-scatter
     but the all-reduce; of several, both."""
+    if world_size == 1:  # nothing to gather or reduce across ranks: the copies
+        return GATHER[2:], [REDUCE[0], REDUCE[3]]
     if not spec["hsdp"]:
         return GATHER, REDUCE
     if world_size // 2 == 1:
@@ -114,6 +116,21 @@ def results_w4(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_fullgraph_parity(results, name):
     _check_parity(results, name)
+
+
+# On a GPU (one NCCL rank): CPU offload copies the shard to the device and the
+# reduced gradient back, which the CPU scenarios cannot show.
+CUDA_SCENARIOS = ["aot_eager_offload_bf16", "aot_eager_raf", "inductor_raf"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fullgraph_parity_cuda(tmp_path):
+    spawn_scenarios(cuda_worker, 1, CUDA_SCENARIOS, tmp_path)
+    results = read_ranks(tmp_path, 1)
+    for name in CUDA_SCENARIOS:
+        _check_parity(results, name)
+        if SCENARIOS[name]["backend"] == "aot_eager":
+            _check_listing(results, name, 1)
 
 
 @pytest.mark.parametrize("name", W4_SCENARIOS)
@@ -194,17 +211,20 @@ def _model(world_size: int, **spec):
 
 
 def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
-    from fsdp_rs import CPUOffloadPolicy, fully_shard
+    from fsdp_rs import fully_shard
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     fully_shard([model[0], model[1]])
     fully_shard(model)
     with pytest.raises(ValueError, match="several modules in one fully_shard call"):
         model.set_fullgraph_compile()
+    from extension_scenarios import PairV1
+
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    fully_shard(model[0], offload_policy=CPUOffloadPolicy())
-    fully_shard(model, offload_policy=CPUOffloadPolicy())
-    with pytest.raises(ValueError, match="Linear: it offloads to CPU"):
+    model[0].weight = torch.nn.Parameter(PairV1(model[0].weight.detach(), model[0].weight.detach()))
+    fully_shard(model[0])
+    fully_shard(model)
+    with pytest.raises(ValueError, match="Linear: its parameters are gathered by an all-gather"):
         model.set_fullgraph_compile()
     model = _model(fake_pg)
     model.set_fullgraph_compile()  # the root now: a nested module is not one

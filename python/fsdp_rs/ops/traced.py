@@ -128,6 +128,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.rows, ctx.row_numel = ag.shape
     ctx.device = ag.device
     ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
+    # where the gradients go: the host under CPU offload
+    ctx.shard_device = sharded[0].device if sharded else ag.device
     ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
     (
         _,
@@ -169,6 +171,8 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     if not all(used) and ctx.reduce_groups:
         _check_used(used, ctx)
     dtype = ctx.layouts[0][2] if ctx.layouts else ctx.reduce_dtype
+    if output.device != ctx.shard_device:  # CPU offload: post-reduced on the host, as in eager
+        output = output.to(ctx.shard_device)
     row = output.new_empty(ctx.row_numel, dtype=dtype)
     torch.ops.fsdp_rs.post_reduce(output, row, ctx.post, False)
     sharded = [

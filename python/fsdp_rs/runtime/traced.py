@@ -43,8 +43,10 @@ makes unnecessary.
 
 Supported: FSDP and HSDP meshes (the replicas' all-reduce in the backward
 graph too), floating-point groups sharded on any dim ([Note: Sharding on
-another dim]: the copies take the group's chunk table), every parameter of a group
-trainable or none, no CPU offload, one module per ``fully_shard`` call.
+another dim]: the copies take the group's chunk table), CPU offload (the shard
+copied to the device before the all-gather, the reduced gradient back to the
+host before the post-reduce, as in eager), every parameter of a group
+trainable or none, one module per ``fully_shard`` call.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
 change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
@@ -92,6 +94,9 @@ class TracedGroup:
         self.layout = group.layout
         info = group.info
         self.world = info.shard_size
+        # CPU offload: the shard lives on the host and is copied to the compute
+        # device before the all-gather, as the eager unshard copies it
+        self.compute_device = group.device if group.shard_device != group.device else None
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
         replicas = info.replicate_group
         self.replicate_name = "" if replicas is None else replicas.group_name
@@ -144,8 +149,6 @@ def _static_reason(state, group) -> str | None:
         return "it shards several modules in one fully_shard call"
     if type(group) not in (FSDPParamGroup, ShardDimGroup):
         return "its parameters are gathered by an all-gather extension"
-    if group.offload_to_cpu:
-        return "it offloads to CPU"
     if group.nd is not None or group.annotations is not None:
         return "its parameters are DTensors of another parallelism"
     if group.orig_dtype not in FLOAT_DTYPES or group.param_dtype not in FLOAT_DTYPES:
@@ -252,7 +255,11 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
     """The group's unsharded parameters: all-gather and copy-out,
     differentiable for ``local`` (the sharded parameters' local tensors)."""
     group = traced.group
-    source = sharded if sharded.dtype == group.param_dtype else sharded.to(group.param_dtype)
+    source = sharded
+    if traced.compute_device is not None:  # CPU offload
+        source = source.to(traced.compute_device, non_blocking=True)
+    if source.dtype != group.param_dtype:
+        source = source.to(group.param_dtype)
     if traced.world > 1:
         functional = torch.ops._c10d_functional
         ag = functional.all_gather_into_tensor(source, traced.world, traced.group_name)
