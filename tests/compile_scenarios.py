@@ -180,7 +180,10 @@ def sharded_model(
         kwargs["shard_placement_fn"] = lambda p: (
             Shard(1) if p.ndim == 2 and p.shape[1] % world_size == 0 else None
         )
-    for block in model.blocks:
+    blocks = list(model.blocks)
+    if spec.get("multi"):  # the last block and the final norm in one call
+        fs([blocks.pop(), model.norm], **kwargs)
+    for block in blocks:
         fs(block, **kwargs)
     fs(model, **kwargs)
     return model

@@ -30,7 +30,8 @@ STEPS = 5
 # per forward (the model unrolled); ``accumulate``: two backwards per step,
 # both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards; ``shard1``:
 # the matrices sharded on dim 1 (shard_placement_fn); ``flat``: fsdp_rs's
-# FlatOptimizer(AdamW) with weight decay, not SGD; ``offload``: CPUOffloadPolicy. The rest as in
+# FlatOptimizer(AdamW) with weight decay, not SGD; ``offload``: CPUOffloadPolicy;
+# ``multi``: the last block and the final norm sharded by one fully_shard call. The rest as in
 # compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
@@ -42,6 +43,7 @@ FULLGRAPH_BASE = {
     "shard1": False,
     "flat": False,
     "offload": False,
+    "multi": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -70,6 +72,7 @@ _CONFIGS = {
     # used-mask is compared across both mesh dims
     "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True, "spare": True},
     "aot_eager_shard1": {"backend": "aot_eager", "shard1": True},
+    "aot_eager_multi": {"backend": "aot_eager", "multi": True},
     # CPUOffloadPolicy (on CPU the copies to and from the device are no-ops;
     # test_fullgraph_offload_cuda runs them on a GPU), bf16 params
     "aot_eager_offload_bf16": {"backend": "aot_eager", "offload": True, "bf16": True},

@@ -46,7 +46,9 @@ graph too), floating-point groups sharded on any dim ([Note: Sharding on
 another dim]: the copies take the group's chunk table), CPU offload (the shard
 copied to the device before the all-gather, the reduced gradient back to the
 host before the post-reduce, as in eager), every parameter of a group
-trainable or none, one module per ``fully_shard`` call.
+trainable or none, several modules in one ``fully_shard`` call (the first
+module's pre-forward gathers, the others reuse what it registered: one
+reduction, as in eager) except at the root.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
 change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
@@ -89,7 +91,7 @@ class TracedGroup:
     eagerly (Dynamo cannot read the planner's arrays), and the registration
     slots they write."""
 
-    def __init__(self, group, module) -> None:
+    def __init__(self, group, modules: list) -> None:
         self.group = group
         self.layout = group.layout
         info = group.info
@@ -110,7 +112,7 @@ class TracedGroup:
         # sharded on another dim: the copies' chunk table (made here, eagerly)
         self.chunk_numel = group._chunks(None) if isinstance(group, ShardDimGroup) else None
         # (module, name, parameter index) of every registration slot
-        owner = {id(m._parameters): m for m in module.modules()}
+        owner = {id(m._parameters): m for module in modules for m in module.modules()}
         managed = group.managed
         self.slots = [
             (owner[id(d)], name, i)
@@ -145,8 +147,10 @@ def _static_reason(state, group) -> str | None:
     """Why ``group`` cannot take the traced hooks at all, or None."""
     from fsdp_rs.runtime.param_group import FSDPParamGroup
 
-    if len(state.modules) > 1:
-        return "it shards several modules in one fully_shard call"
+    if len(state.modules) > 1 and state.is_root:
+        # its groups are gathered in the root's forward ([Note: The root's groups
+        # in its forward]): one module's
+        return "it is the root and shards several modules in one fully_shard call"
     if type(group) not in (FSDPParamGroup, ShardDimGroup):
         return "its parameters are gathered by an all-gather extension"
     if group.nd is not None or group.annotations is not None:
@@ -487,7 +491,7 @@ def enable(root) -> None:
     traced = (
         []
         if problems
-        else [[TracedGroup(g, s.modules[0]) for g in groups_of(s)] for s in context.states]
+        else [[TracedGroup(g, s.modules) for g in groups_of(s)] for s in context.states]
     )
     why_not = _why_not_groups(traced)
     _agree(root, problems, why_not)
