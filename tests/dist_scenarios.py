@@ -72,6 +72,13 @@ SCENARIOS: dict[str, dict] = {
     "mlp_reshard_int": {"kwargs": {"reshard_after_forward": 2}, "min_world": 4},
     "transformer_tied": {"model": "transformer"},
     "transformer_bf16": {"model": "transformer", "mp": (torch.bfloat16, torch.float32)},
+    # RMSNorm's backward gives its bf16 weight an fp32 gradient on torch >= 2.15,
+    # which both libraries reduce as it is (the other gradients cast up to it)
+    "transformer_rmsnorm_bf16": {
+        "model": "transformer",
+        "rms_norm": True,
+        "mp": (torch.bfloat16, torch.float32),
+    },
     # reduce_dtype=None: FSDP2 reduces (and accumulates without sync) in param_dtype
     # up to torch 2.14 and in the parameters' own dtype from 2.15 ([Note: Default
     # reduce dtype]); weight-tied, so several contributions meet in one gradient
@@ -145,7 +152,13 @@ def cuda_scenarios(world_size: int) -> list[str]:
 def _build(spec: dict) -> nn.Module:
     torch.manual_seed(0)
     if spec.get("model") == "transformer":
-        return Transformer(vocab=37, dim=12, layers=2, heads=2)  # weight-tied
+        model = Transformer(vocab=37, dim=12, layers=2, heads=2)  # weight-tied
+        if spec.get("rms_norm"):  # Llama's norms
+            for module in list(model.modules()):
+                for name, child in module.named_children():
+                    if isinstance(child, nn.LayerNorm):
+                        setattr(module, name, nn.RMSNorm(child.normalized_shape))
+        return model
     model = mlp(spec.get("dims", (16, 33, 7, 13, 5)))
     if spec.get("mixed_dtype"):
         model[2].to(torch.bfloat16)

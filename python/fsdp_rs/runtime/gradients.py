@@ -228,6 +228,9 @@ class GradientReduction:
         params = self._unsharded_with_grad
         if self.widens_grads:
             self._set_grad_dtypes(self._widened)
+            # autograd leaves gradients in the dtype it computes them in: a
+            # pre-placed alias in the parameter dtype would round a wider one
+            return
         if not self.preplace_grads or self._placed:
             return
         if not params or not all(map(is_none, get_grads(params))):
@@ -392,11 +395,14 @@ class GradientReduction:
             grads[:] = map(_local_grad, self._grad_nd, grads)
             if self._accumulated is not None:
                 self._accumulated = list(map(_local_grad, self._grad_nd, self._accumulated))
-            # A gradient autograd left in the reduce dtype (``reduces_outside_dp``)
-            # next to ones in the parameter dtype: each is cast to the reduce
-            # dtype, as FSDP2 casts each; the copy-in takes one dtype.
-            if len({g.dtype for g in grads if g is not None}) > 1:
-                grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
+        # Gradients of several dtypes: autograd left some in the reduce dtype
+        # (``reduces_outside_dp``), or, where a group widens, in whatever dtype an
+        # op's backward gave (torch >= 2.15's RMSNorm gives its bf16 weight an
+        # fp32 gradient) next to ones in the parameter dtype ([Note: Wider
+        # gradient accumulation]): each is cast to the reduce dtype, as FSDP2
+        # casts each; the copy-in takes one dtype.
+        if len({g.dtype for g in grads if g is not None}) > 1:
+            grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         dtype = self.reduce_dtype
         if self._accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
