@@ -280,6 +280,37 @@ def tp_mlp(
     return out
 
 
+def tp_fullgraph(
+    world_size: int, rank: int, tp: int = 2, sequence: bool = True, mp: bool = False
+) -> dict:
+    """fsdp-rs over TP, eager and compiled whole with ``fullgraph=True`` after
+    ``set_fullgraph_compile()`` (aot_eager): both trained the same steps
+    (``{"refused": message}`` where ``set_fullgraph_compile`` refuses)."""
+    if BOTH_TORCH:
+        return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
+    kwargs = {}
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    mesh = _nd_mesh(world_size, tp)
+    out = {}
+    for mode in ("eager", "compiled"):
+        model = _tensor_parallel(_net(), mesh["tp"], sequence)
+        _fully_shard("rs", model, mesh["dp"], **kwargs)
+        run: nn.Module = model
+        if mode == "compiled":
+            try:
+                model.set_fullgraph_compile()
+            except ValueError as e:
+                return {"refused": str(e)}
+            torch._dynamo.reset()
+            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        trained = _train(run, lambda step: _inputs(mesh, step, sequence), _mse, 3)
+        prefix = "_orig_mod."  # the compiled wrapper's names
+        grads = {k.removeprefix(prefix): v for k, v in trained["grads"].items()}
+        out[mode] = {**trained, "grads": grads, "params": _params(model)}
+    return out
+
+
 def tp_strided(world_size: int, rank: int, tp: int = 2) -> dict:
     """Colwise weights are sharded on dim 0 by TP and by FSDP: each parameter's
     placements and local shard, and whether ``full_tensor()`` gives back the
@@ -565,6 +596,8 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "tp_mlp_bf16": (tp_mlp, {"mp": True}),
     "tp_mlp_replicated_norm": (tp_mlp, {"sequence": False}),
     "tp_strided": (tp_strided, {}),
+    "tp_fullgraph": (tp_fullgraph, {}),
+    "tp_fullgraph_bf16_replicated_norm": (tp_fullgraph, {"sequence": False, "mp": True}),
     "tp_meta_init": (tp_meta_init, {}),
     "hsdp_tp": (tp_mlp, {"replicate": 2, "steps": 2, "min_world": 4}),
     "hsdp_tp_shard": (tp_mlp, {"replicate": 1, "steps": 2, "min_world": 4}),

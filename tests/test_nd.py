@@ -64,6 +64,25 @@ def test_tp_training_matches_fsdp2(results, name):
         _assert_observed(rank, r["rs"])
 
 
+@pytest.mark.parametrize("name", ["tp_fullgraph", "tp_fullgraph_bf16_replicated_norm"])
+def test_tp_fullgraph_matches_eager(results, name):
+    """``torch.compile(model, fullgraph=True)`` with traced hooks over TP
+    parameters ([Note: Traced hooks]): losses, gradient norms, the last step's
+    sharded gradients and the trained parameters equal eager fsdp-rs's bit for
+    bit. Where torch's FSDP2 reduces a TP partial gradient in the wider reduce
+    dtype (torch >= 2.15, bf16 parameters), set_fullgraph_compile refuses."""
+    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+
+    refuses = name.endswith("bf16_replicated_norm") and fsdp2_has_grad_dtype_policy()
+    for rank, r in each_rank(SCENARIOS, results, name):
+        if refuses:
+            assert "reduced over tensor parallelism" in r.get("refused", ""), (rank, r)
+            continue
+        assert "refused" not in r, (rank, r["refused"] if "refused" in r else None)
+        _assert_same(rank, r["compiled"], r["eager"])
+        _assert_observed(rank, r["compiled"])
+
+
 def test_meta_init_stays_on_meta(results):
     for rank, r in each_rank(SCENARIOS, results, "tp_meta_init"):
         assert r["rs"]["meta"] and r["torch"]["meta"], rank

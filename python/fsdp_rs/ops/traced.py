@@ -27,6 +27,19 @@ another's shard, so where a gradient is missing the backward also all-reduces
 the used-mask and asserts that every rank's is the same. The local tensors come
 from the parameters through a ``to_local`` that keeps a missing gradient
 missing ([Note: The local tensors' missing gradients]).
+
+[Note: Gradients under trace are in the parameter dtype]
+The op's outputs are not leaves, so autograd casts each gradient it hands the
+formula to the unsharded parameter's dtype, whatever dtype the op that used
+the parameter computed it in. Eager's unsharded parameters are leaves, and
+from torch 2.15, where a group reduces in a wider dtype than it computes in
+(bf16 parameters, fp32 reduce), eager leaves such a gradient as computed and
+reduces it so, as FSDP2 does (torch 2.15's RMSNorm gives a bf16 weight an fp32
+gradient): under trace it is rounded to bf16 first, as every torch before 2.15
+does in eager. Compiled and eager then agree to that rounding, not bit for
+bit. Where a DTensor parameter's partial gradient would be summed over tensor
+parallelism in the wider dtype (eager keeps its ``grad_dtype`` at the reduce
+dtype there), ``set_fullgraph_compile`` refuses the group instead.
 """
 
 from __future__ import annotations

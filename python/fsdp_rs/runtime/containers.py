@@ -15,7 +15,6 @@ returned as it is. Sets and other iterables are not entered, as FSDP2.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,17 +93,19 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` in it replaced by ``fn(t)``; containers
     are rebuilt only where ``fn`` returned another object."""
 
-    def visit(x: Any, depth: int) -> Any:
+    # (the value, whether it changed): Dynamo traces this (the traced hooks
+    # cast inputs with it), and it cannot tell two containers' identity apart
+    def visit(x: Any, depth: int) -> tuple[Any, bool]:
         if isinstance(x, torch.Tensor):
-            return fn(x)
+            y = fn(x)
+            return y, y is not x
         children = _children(x)
         if children is None:
-            return x
+            return x, False
         _check_depth(x, depth)
-        old = list(children)
-        new = [visit(child, depth + 1) for child in old]
-        if all(map(operator.is_, old, new)):
-            return x
-        return _rebuild(x, new)
+        visited = [visit(child, depth + 1) for child in children]
+        if not any(changed for _, changed in visited):
+            return x, False
+        return _rebuild(x, [value for value, _ in visited]), True
 
-    return visit(tree, 0)
+    return visit(tree, 0)[0]

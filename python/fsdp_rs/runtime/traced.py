@@ -46,7 +46,12 @@ graph too), floating-point groups sharded on any dim ([Note: Sharding on
 another dim]: the copies take the group's chunk table), CPU offload (the shard
 copied to the device before the all-gather, the reduced gradient back to the
 host before the post-reduce, as in eager), every parameter of a group
-trainable or none, several modules in one ``fully_shard`` call (the first
+trainable or none, DTensor parameters of tensor or expert parallelism (the
+unsharded local tensors wrapped by ``DTensor.from_local`` with the
+parameters' own specs, whose backward brings a gradient to those placements as
+the eager post-backward does; not ``dp_mesh_dims``, spmd_types annotations, or
+a TP partial gradient that eager sums in a wider dtype: [Note: Gradients under
+trace are in the parameter dtype]), several modules in one ``fully_shard`` call (the first
 module's pre-forward gathers, the others reuse what it registered: one
 reduction, as in eager) except at the root.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
@@ -62,6 +67,7 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _ToTorchTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -109,6 +115,9 @@ class TracedGroup:
         self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
+        # [Note: DTensor parameters] the unsharded parameters' own specs (TP / EP)
+        nd = group.nd or [None] * len(shapes)
+        self.specs = [None if d is None else d.unsharded_spec(group.param_dtype) for d in nd]
         # sharded on another dim: the copies' chunk table (made here, eagerly)
         self.chunk_numel = group._chunks(None) if isinstance(group, ShardDimGroup) else None
         # (module, name, parameter index) of every registration slot
@@ -153,8 +162,17 @@ def _static_reason(state, group) -> str | None:
         return "it is the root and shards several modules in one fully_shard call"
     if type(group) not in (FSDPParamGroup, ShardDimGroup):
         return "its parameters are gathered by an all-gather extension"
-    if group.nd is not None or group.annotations is not None:
-        return "its parameters are DTensors of another parallelism"
+    if group.annotations is not None:
+        return "its parameters carry spmd_types annotations"
+    if group.info.spmd_mesh is not None:
+        return "it shards over dp_mesh_dims of the parameters' own mesh"
+    if group.nd is not None and group.widens_grads:
+        # [Note: Gradients under trace are in the parameter dtype]
+        if any(nd is not None and nd.reduces_outside_dp for nd in group.nd):
+            return (
+                "a DTensor parameter's gradient is reduced over tensor parallelism in the "
+                "wider reduce dtype, which the traced hooks cannot do"
+            )
     if group.orig_dtype not in FLOAT_DTYPES or group.param_dtype not in FLOAT_DTYPES:
         return f"its dtype {group.orig_dtype} is not floating point"
     return None
@@ -333,7 +351,25 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
         )
     else:
         views = _gather(traced, group.sharded, *local)
-    return views
+    # DTensor parameters (TP / EP): the unsharded local tensors as DTensors of
+    # the parameters' own specs; from_local's backward brings each gradient to
+    # those placements (a Partial reduced over its dim), as the eager
+    # post-backward does, and hands the copy-out its local tensor
+    return [
+        v if spec is None else _from_local(v, spec)
+        for v, spec in zip(views, traced.specs, strict=True)
+    ]
+
+
+def _from_local(local: torch.Tensor, spec) -> torch.Tensor:
+    return DTensor.from_local(
+        local,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.tensor_meta.shape,
+        stride=spec.tensor_meta.stride,
+    )
 
 
 def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
