@@ -42,18 +42,18 @@ in-place ``set_`` tricks to free memory inside the graph, which recomputation
 makes unnecessary.
 
 Supported: FSDP and HSDP meshes (the replicas' all-reduce in the backward
-graph too), floating-point groups sharded on any dim ([Note: Sharding on
-another dim]: the copies take the group's chunk table), CPU offload (the shard
+graph too); floating-point groups sharded on any dim ([Note: Sharding on
+another dim]: the copies take the group's chunk table); CPU offload (the shard
 copied to the device before the all-gather, the reduced gradient back to the
-host before the post-reduce, as in eager), every parameter of a group
-trainable or none, DTensor parameters of tensor or expert parallelism (the
-unsharded local tensors wrapped by ``DTensor.from_local`` with the
-parameters' own specs, whose backward brings a gradient to those placements as
-the eager post-backward does; not ``dp_mesh_dims``, spmd_types annotations, or
-a TP partial gradient that eager sums in a wider dtype: [Note: Gradients under
-trace are in the parameter dtype]), several modules in one ``fully_shard`` call (the first
-module's pre-forward gathers, the others reuse what it registered: one
-reduction, as in eager) except at the root.
+host before the post-reduce, as in eager); every parameter of a group
+trainable or none; DTensor parameters of tensor or expert parallelism (the
+unsharded local tensors wrapped by ``DTensor.from_local`` with the parameters'
+own specs, whose backward brings a gradient to those placements as the eager
+post-backward does), but not ``dp_mesh_dims``, spmd_types annotations, or a
+TP partial gradient that eager sums in a wider dtype ([Note: Gradients under
+trace are in the parameter dtype]); several modules in one ``fully_shard``
+call (the first module's pre-forward gathers, the others reuse what it
+registered: one reduction, as in eager), except at the root.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
 change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
