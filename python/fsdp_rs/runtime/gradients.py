@@ -108,6 +108,11 @@ torch, and for groups that do not widen, nothing is set. A DTensor parameter
 whose gradient may be reduced over a tensor-parallel dim first
 (``reduces_outside_dp``, [Note: DTensor parameters]) keeps ``grad_dtype`` = the
 reduce dtype in every backward, as FSDP2 keeps it, so that reduction runs wide.
+With ``grad_dtype`` None a gradient keeps the dtype its op computed it in
+(torch 2.15's RMSNorm gives a bf16 weight an fp32 gradient), so such a group
+never pre-places a gradient alias in the parameter dtype (autograd would add
+the wider gradient into it, rounded), and its reduction casts gradients of
+several dtypes each to the reduce dtype, as FSDP2 does.
 
 [Note: Post-accumulate-grad hooks]
 Autograd never accumulates into a sharded parameter (forward uses the unsharded
