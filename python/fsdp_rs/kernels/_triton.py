@@ -62,15 +62,20 @@ def jit(fn: Any) -> Any:
 
 
 def pointer_table(
-    tensors: Sequence[torch.Tensor | None], device: torch.device, words: int = 1
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device,
+    words: int = 1,
+    present: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tensor's address and ``numel * words`` (0 and 0 for None) as two
     contiguous int64 columns on ``device``, in one upload; see [Note: Pointer
     tables] in reduce_scatter_copy_in.py. The attributes are read by C-level
-    ``map``s into NumPy, not a Python loop: about 0.1 us per tensor."""
+    ``map``s into NumPy, not a Python loop: about 0.1 us per tensor.
+    ``present``: ``tensors`` without the Nones, where the caller has it."""
     count = len(tensors)
     table = np.zeros((2, count), np.int64)
-    present = list(itertools.filterfalse(is_none, tensors))
+    if present is None:
+        present = list(itertools.filterfalse(is_none, tensors))
     if len(present) == count:
         at: Any = slice(None)
     else:

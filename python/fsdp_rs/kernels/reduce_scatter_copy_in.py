@@ -187,10 +187,11 @@ _FIRST = operator.itemgetter(0)
 
 def _kernel_grads(
     grads: Sequence[torch.Tensor | None], dtype: torch.dtype, device: torch.device
-) -> Sequence[torch.Tensor | None]:
-    """``grads`` as the kernel reads them: each checked for ``dtype`` and
-    ``device`` and contiguous (a strided one copied). C-level ``map``s over the
-    list; the per-gradient loop runs only to name an offender or copy a strided
+) -> tuple[Sequence[torch.Tensor | None], list[torch.Tensor]]:
+    """``grads`` as the kernel reads them, and those of them that are not None
+    (for ``pointer_table``): each checked for ``dtype`` and ``device`` and
+    contiguous (a strided one copied). C-level ``map``s over the list; the
+    per-gradient loop runs only to name an offender or copy a strided
     gradient."""
     present = list(itertools.filterfalse(is_none, grads))
     # On CUDA, get_device (an int: -1 for CPU and meta tensors) costs half of
@@ -206,8 +207,9 @@ def _kernel_grads(
             if g is not None:
                 _check_grad(i, g, dtype, device)
     if all(map(torch.Tensor.is_contiguous, present)):
-        return grads
-    return [None if g is None else g.contiguous() for g in grads]
+        return grads, present
+    grads = [None if g is None else g.contiguous() for g in grads]
+    return grads, list(itertools.filterfalse(is_none, grads))
 
 
 def torch_reduce_scatter_copy_in(
@@ -376,8 +378,8 @@ def triton_reduce_scatter_copy_in(
     # Casts and divisions are between float dtypes, which kernel_view keeps.
     reduce_scatter_input, words = kernel_view(reduce_scatter_input)
     world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
-    grads = _kernel_grads(grads, dtype, device)
-    grad_ptrs, grad_numel = pointer_table(grads, device, words)
+    grads, present = _kernel_grads(grads, dtype, device)
+    grad_ptrs, grad_numel = pointer_table(grads, device, words, present)
     inv = f32_reciprocal(divide_factor)
     _rs_copy_in_kernel[(num_tiles, world_size)](
         grad_ptrs,
