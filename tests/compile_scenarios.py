@@ -322,11 +322,12 @@ def train(spec: dict, library: str, world_size: int, rank: int, compiled: bool) 
     return result
 
 
-def init_rank(rank: int, world_size: int, port: int) -> None:
-    """A spawned compile rank: gloo, one thread (the ranks share the cores)."""
+def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
+    """A spawned compile rank: gloo (or ``backend``), one thread (the ranks
+    share the cores)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
     )
     torch.set_num_threads(1)
 

@@ -244,9 +244,24 @@ def disagreement(world_size: int, rank: int) -> dict:
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
     init_rank(rank, world_size, port)
     results: dict[str, Any] = {"disagreement": disagreement(world_size, rank)}
+    _train_each(results, names, world_size, rank, "cpu")
+    finish(out_dir, rank, results)
+
+
+def cuda_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+    """``worker``'s scenarios on CUDA over NCCL (one GPU per rank)."""
+    torch.cuda.set_device(rank)
+    init_rank(rank, world_size, port, backend="nccl")
+    results: dict[str, Any] = {}
+    _train_each(results, names, world_size, rank, "cuda")
+    finish(out_dir, rank, results)
+
+
+def _train_each(results: dict, names: list[str], world_size: int, rank: int, device: str) -> None:
+    """Each scenario trained eagerly and compiled on ``device``, into ``results``."""
     for name in names:
         try:
-            spec = SCENARIOS[name]
+            spec = {**SCENARIOS[name], "device": device}
             results[name] = {
                 "eager": train(spec, world_size, rank, compiled=False),
                 "compiled": train(spec, world_size, rank, compiled=True),
@@ -254,30 +269,6 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         dist.barrier()
-    finish(out_dir, rank, results)
-
-
-def cuda_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    """``worker``'s scenarios on CUDA over NCCL (one GPU per rank)."""
-    import datetime
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-    )
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            spec = {**SCENARIOS[name], "device": "cuda"}
-            results[name] = {
-                "eager": train(spec, world_size, rank, compiled=False),
-                "compiled": train(spec, world_size, rank, compiled=True),
-            }
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    finish(out_dir, rank, results)
 
 
 __all__ = ["LAYERS", "SCENARIOS", "STEPS", "cuda_worker", "worker"]

@@ -289,79 +289,76 @@ def test_fullgraph_off_again_is_level_one(fake_pg):
         compiled(tokens(0, 0))
 
 
-def test_fullgraph_eager_calls_stay_eager():
+@pytest.fixture
+def one_gloo_rank():
+    """One gloo rank in this process (a fake process group moves no data)."""
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fullgraph_eager_calls_stay_eager(one_gloo_rank):
     """With traced hooks on, calling the model without compile runs the eager
     state machine: same losses and gradients as a model without them, bit for
-    bit (one gloo rank in this process: a fake process group moves no data)."""
-    from torch.distributed import HashStore
-
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
-        runs = []
-        for traced in (False, True):
-            model = _model(1, loop=False)
-            if traced:
-                model.set_fullgraph_compile()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            losses = []
-            for step in range(2):
-                loss = model(tokens(step, 0)).float().pow(2).mean()
-                loss.backward()
-                losses.append(loss.item())
-                grads = [p.grad.to_local().clone() for p in model.parameters()]
-                opt.step()
-                opt.zero_grad()
-            # the eager unshard made the unsharded parameters (traced hooks never do)
-            assert model.blocks[0]._state.group.unsharded_params is not None
-            runs.append((losses, grads))
-        assert runs[0][0] == runs[1][0]
-        assert all(map(torch.equal, runs[0][1], runs[1][1]))
-    finally:
-        dist.destroy_process_group()
+    bit."""
+    runs = []
+    for traced in (False, True):
+        model = _model(1, loop=False)
+        if traced:
+            model.set_fullgraph_compile()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            loss = model(tokens(step, 0)).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            grads = [p.grad.to_local().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        # the eager unshard made the unsharded parameters (traced hooks never do)
+        assert model.blocks[0]._state.group.unsharded_params is not None
+        runs.append((losses, grads))
+    assert runs[0][0] == runs[1][0]
+    assert all(map(torch.equal, runs[0][1], runs[1][1]))
 
 
-def test_fullgraph_casts_float_inputs():
+def test_fullgraph_casts_float_inputs(one_gloo_rank):
     """Mixed precision casts a float input under traced hooks too (the cast
     rebuilds the argument containers, which Dynamo must trace): compiled equals
-    eager bit for bit (one gloo rank in this process)."""
-    from torch.distributed import HashStore
-
+    eager bit for bit."""
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
+    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
-        runs = []
-        for traced in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(
-                torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.Linear(8, 8)
-            )
-            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-            fully_shard(model[0], mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-            run = model
-            if traced:
-                torch._dynamo.reset()
-                run = _traced(model, "aot_eager")
-            losses = []
-            for step in range(2):
-                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-                loss = run(x).float().pow(2).mean()
-                loss.backward()
-                losses.append(loss.item())
-            runs.append((losses, [p.grad.to_local() for p in model.parameters()]))
-        assert runs[0][0] == runs[1][0]
-        # [Note: Gradients under trace are in the parameter dtype]: on torch >=
-        # 2.15 eager reduces RMSNorm's fp32 weight gradient as it is
-        from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
-
-        for i, (a, b) in enumerate(zip(runs[0][1], runs[1][1], strict=True)):
-            if i == 2 and fsdp2_has_grad_dtype_policy():
-                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
-            else:
-                assert torch.equal(a, b), i
-    finally:
-        dist.destroy_process_group()
+    runs = []
+    for traced in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.Linear(8, 8)
+        )
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        fully_shard(model[0], mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        run = model
+        if traced:
+            torch._dynamo.reset()
+            run = _traced(model, "aot_eager")
+        losses = []
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            loss = run(x).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        runs.append((losses, [p.grad.to_local() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    # [Note: Gradients under trace are in the parameter dtype]: on torch >= 2.15
+    # eager reduces RMSNorm's fp32 weight gradient as it is
+    for i, (a, b) in enumerate(zip(runs[0][1], runs[1][1], strict=True)):
+        if i == 2 and fsdp2_has_grad_dtype_policy():
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+        else:
+            assert torch.equal(a, b), i
 
 
 def _traced(model, backend):
