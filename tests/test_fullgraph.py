@@ -264,6 +264,26 @@ def test_fullgraph_names_a_flag_it_does_not_follow(fake_pg):
         compiled(tokens(0, 0))
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ("set_manual_backward_finalization", "backward finalization is manual"),
+        ("set_keep_unsharded_storage", "keeps its unsharded storage"),
+    ],
+)
+def test_fullgraph_names_manual_finalization_and_kept_storage(fake_pg, setting):
+    """Manual backward finalization (the traced reductions have no end of
+    backward to defer) and kept unsharded storage (the traced gathers make
+    fresh parameters): the hooks run eager and fullgraph=True says why."""
+    method, words = setting
+    model = _model(fake_pg, loop=False)
+    model.set_fullgraph_compile()
+    getattr(model, method)(True)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=words):
+        compiled(tokens(0, 0))
+
+
 def test_fullgraph_names_all_reduce_off(fake_pg):
     """HSDP with the all-reduce across replicas off: the gradients stay partial
     until a later backward, which the traced hooks cannot do, so they run eager

@@ -119,7 +119,7 @@ def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     profile = ActivationProfile({"0": Activations(100, 10), "1": Activations(200, 0)}, 55)
     with_loss = predict_memory(model, activations=profile)
     columns = group_memory(model)
-    del columns["fqns"]
+    del columns["fqns"], columns["kept_unsharded_bytes"]
     raf = columns.pop("reshard_after_forward")
     want = reference.peak_memory(
         *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
@@ -137,7 +137,7 @@ def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     assert got["persistent"] == 3 * (64 * 64 + 64) + 7
     # An ActivationProfile's loss bytes go to the planner's loss_bytes.
     columns = group_memory(model)
-    del columns["fqns"], columns["reshard_after_forward"]
+    del columns["fqns"], columns["reshard_after_forward"], columns["kept_unsharded_bytes"]
     assert with_loss == reference.peak_memory(
         *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
         columns.pop("reduce_scatter_input_bytes"),
@@ -161,6 +161,26 @@ def test_predict_memory_before_and_after_the_first_step_agree(mesh):
     fully_shard(model, mesh=mesh)
     before = predict_memory(model)
     model(torch.randn(2, 64)).sum().backward()
+    assert predict_memory(model) == before
+
+
+def test_predict_memory_with_kept_unsharded_storage(mesh):
+    """set_keep_unsharded_storage(True): the kept groups' unsharded bytes are
+    live for the whole step, and gathering them allocates nothing more."""
+    model = _mlp(layers=3)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = predict_memory(model)
+    model[1].set_keep_unsharded_storage(True)
+    columns = group_memory(model)
+    padded = 64 * 64 + 64
+    assert columns["kept_unsharded_bytes"] == [0, 4 * padded, 0]
+    assert columns["unsharded_bytes"] == [4 * padded, 0, 4 * padded]
+    kept = predict_memory(model)
+    assert kept["persistent"] == before["persistent"] + 4 * padded
+    assert kept["peak"] >= before["peak"]
+    model.set_keep_unsharded_storage(False)
     assert predict_memory(model) == before
 
 
@@ -233,6 +253,7 @@ def test_group_bytes_with_cpu_offload_leave_the_host_out():
             requires_grad=[True],
             device=torch.device(device),
             shard_device=torch.device(shard_device),
+            keep_unsharded_storage=False,
         )
 
     on_device = _group_bytes(group("cuda", "cuda"), True, 0)

@@ -45,6 +45,11 @@ CONFIGS: dict[str, dict] = {
     "partial_grads": {"partial": True},
     # set_reduce_scatter_max_input_buffers(2): two inputs in flight, released in order
     "two_reduce_scatter_inputs": {"world": 4, "rs_buffers": 2},
+    # [Note: Manual backward finalization]: the root's reduction at finalize_backward();
+    # micro-steps without sync reduced there, the end of the iteration at wait()
+    "manual_finalization": {"manual": "sync"},
+    "manual_accumulate_async": {"manual": "async", "micro": 2, "mp": True},
+    "keep_unsharded_storage": {"keep": True},
 }
 
 
@@ -92,6 +97,11 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         for a, b in itertools.pairwise(layers):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
+    manual = config.get("manual")
+    if manual:
+        model.set_manual_backward_finalization(True)
+    if config.get("keep"):
+        model.set_keep_unsharded_storage(True)
     if config.get("rs_buffers"):
         model.set_reduce_scatter_max_input_buffers(config["rs_buffers"])
     if config.get("hook"):
@@ -107,7 +117,9 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         for step in range(STEPS):
             for k in range(micro):
                 last = k == micro - 1
-                if config.get("hsdp"):
+                if manual:  # every micro-step; finalize_backward() reduces
+                    model.set_requires_gradient_sync(micro == 1)
+                elif config.get("hsdp"):
                     model.set_requires_all_reduce(last)
                 else:
                     model.set_requires_gradient_sync(last)
@@ -116,6 +128,12 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
                     model[0].unshard()
                     handle.wait()
                 model(torch.randn(4, 16)).float().pow(2).mean().backward()
+            if manual:
+                model.set_requires_gradient_sync(True)
+                if manual == "async":
+                    model.finalize_backward(async_op=True).wait()
+                else:
+                    model.finalize_backward()
             if config.get("partial"):  # another rank had one, so this one has a .grad
                 assert model.unused.grad is not None
             opt.step()

@@ -13,6 +13,7 @@ _RUNTIME = (
     "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

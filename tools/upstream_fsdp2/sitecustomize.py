@@ -106,6 +106,7 @@ def _apply():
         "FSDPModule": fsdp_rs.FSDPModule,
         "register_fsdp_forward_method": fsdp_rs.register_fsdp_forward_method,
         "UnshardHandle": fsdp_rs.UnshardHandle,
+        "GradientReductionHandle": fsdp_rs.GradientReductionHandle,
         "share_comm_ctx": fsdp_rs.share_comm_ctx,
     }
     for mod in (tfsdp, tfs, old, old_mod):

@@ -5,6 +5,8 @@ Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
 parameter views of the group buffers), ``collectives`` (gradient divide
 factors), ``param_group`` (one planner call, buffers and parameters), ``unshard``
 (the SHARDED / UNSHARDED / SHARDED_POST_FORWARD transitions),
+``finalize`` (who ends a backward iteration: the end of backward, or the
+caller's ``finalize_backward``),
 ``gradients`` (gradient buffers and the post-backward reduction),
 ``streams`` (side streams, events and cross-stream lifetimes on accelerators),
 ``bundle`` (one group per dtype, driven as one),
@@ -20,6 +22,7 @@ forward leaves for backward, measured on a copy that holds no memory).
 from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations, activation_profile
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp_rs.runtime.comm_api import share_comm_ctx
+from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.memory_plan import predict_memory
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -28,6 +31,7 @@ __all__ = [
     "Activations",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

@@ -10,17 +10,19 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_rs.runtime import finalize
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
+from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -331,6 +333,35 @@ class FSDPModule(CommSettings):
         self._state.is_last_backward = is_last_backward  # read at lazy init
         if self._state.context is not None:
             self._state.context.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: whether the caller ends each backward iteration with
+        ``finalize_backward()`` instead of the end of backward (superseding
+        ``set_is_last_backward``); set it before backward ([Note: Manual backward
+        finalization])."""
+        finalize.set_manual(self._state, enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """On the root, after every backward of the iteration (with manual
+        finalization on): reduce the gradients still pending, reshard, and end
+        the iteration; with ``async_op`` return a handle whose ``wait()`` ends
+        it (wait before using the gradients or the next forward)."""
+        return finalize.finalize_backward(self._state, async_op)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' memory at reshard (their data pointers
+        stay the same across reshard and unshard, as CUDA graphs need), at the
+        cost of that memory; by default reshard frees it."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"set_keep_unsharded_storage takes a bool, got {keep!r}")
+        for group in self._groups(recurse):
+            group.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Skip the reduce-scatter (and all-reduce) while False: gradients

@@ -57,6 +57,10 @@ class GroupBundle:
         return all(group.post_backward_done for group in self.groups)
 
     @property
+    def finalize_pending(self) -> bool:  # [Note: Manual backward finalization]
+        return any(group.finalize_pending for group in self.groups)
+
+    @property
     def on_meta(self) -> bool:
         return any(group.on_meta for group in self.groups)
 

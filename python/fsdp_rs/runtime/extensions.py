@@ -369,8 +369,9 @@ class ExtensionParamGroup(FSDPParamGroup):
             self.wait_for_unshard()
         if self.state != ShardedState.UNSHARDED:
             return
-        for t in itertools.chain(*self._outputs, *self._inner):
-            _free(t)
+        if not self.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
+            for t in itertools.chain(*self._outputs, *self._inner):
+                _free(t)
         self.state = ShardedState.SHARDED
         self.managed.swap(self.sharded_params)
 

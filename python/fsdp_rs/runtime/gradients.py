@@ -196,6 +196,7 @@ class GradientReduction:
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
         self._grad_ref = None  # [Note: Sharded gradient buffer]
         self._view_refs = None
+        self.finalize_pending = False  # [Note: Manual backward finalization]
 
     def _make_grad_aliases(self) -> None:
         """The unsharded gradient buffer (storage freed) and one alias per
@@ -278,6 +279,7 @@ class GradientReduction:
         self._free_grad_buffer()
         self._versions = None
         self.post_backward_done = False
+        self.finalize_pending = False
 
     def _free_grad_buffer(self) -> None:
         if self._placed:
@@ -290,6 +292,9 @@ class GradientReduction:
         """Reduce the gradients autograd left on the unsharded parameters into the
         sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
         self.post_backward_done = True
+        # Without sync the gradients wait for a synced post-backward, which
+        # finalize_backward() runs ([Note: Manual backward finalization]).
+        self.finalize_pending = not self.reduce_grads
         if self.unsharded_params is None or not self._grad_index:
             return  # never unsharded, or nothing trainable: the same on every rank
         params = self._unsharded_with_grad

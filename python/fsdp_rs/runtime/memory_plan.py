@@ -74,7 +74,10 @@ def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
         # kept between micro-steps in the reduce dtype ([Note: Reduction memory])
         "accumulated_gradient_bytes": 0,
         "post_forward_bytes": rows * plan.row_numel * plan.param_elem_size if resharded else 0,
+        "kept_unsharded_bytes": 0,
     }
+    if group.keep_unsharded_storage:  # live through the step, never freed by reshard
+        out["kept_unsharded_bytes"], out["unsharded_bytes"] = plan.unsharded_bytes, 0
     if grads is not None:
         out["reduce_scatter_input_bytes"] = grads.reduce_scatter_input_bytes
         out["reduce_scatter_output_bytes"] = grads.reduce_scatter_output_bytes
@@ -103,6 +106,7 @@ def group_memory(module: nn.Module) -> dict[str, Any]:
             "unsharded_gradient_bytes",
             "accumulated_gradient_bytes",
             "post_forward_bytes",
+            "kept_unsharded_bytes",
             "reshard_after_forward",
             "fqns",
         )
@@ -155,6 +159,7 @@ def predict_memory(
     columns = group_memory(module)
     fqns = columns.pop("fqns")
     raf = columns.pop("reshard_after_forward")
+    kept = sum(columns.pop("kept_unsharded_bytes"))  # set_keep_unsharded_storage
     saved, outputs = [0] * len(fqns), [0] * len(fqns)
     extra = loss = 0
     if isinstance(activations, ActivationProfile):
@@ -190,7 +195,7 @@ def predict_memory(
         reshard_after_forward=np.asarray(raf, dtype=bool),
         activation_bytes=np.asarray(saved, dtype=np.int64),
         output_bytes=np.asarray(outputs, dtype=np.int64),
-        resident_bytes=resident_bytes + extra,
+        resident_bytes=resident_bytes + extra + kept,
         loss_bytes=loss,
         accumulate=accumulate,
         side_streams=_side_streams(module),

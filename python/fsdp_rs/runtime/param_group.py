@@ -167,6 +167,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage
         self.all_gather_comm = None  # [Note: Comm objects]
         self.reduce_scatter_comm = None
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group

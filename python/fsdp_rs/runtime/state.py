@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
+from fsdp_rs.runtime import finalize
 from fsdp_rs.runtime.agreement import GradientAgreement
 from fsdp_rs.runtime.backward_order import BackwardOrder
 from fsdp_rs.runtime.compile import eager_hook
@@ -80,6 +81,12 @@ class Context:
         self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event = None
+        # [Note: Manual backward finalization] the setting; the mode the running
+        # backward iteration took (None between iterations); an asynchronous
+        # finalization not yet waited on.
+        self.manual_finalization = False
+        self.manual_active: bool | None = None
+        self.pending_reduction = None
         # Where the root moves forward inputs (FSDP2 moves them to its mesh's device).
         self.device: torch.device | None = None
         # [Note: spmd_types parameters] with annotated parameters: the package, and
@@ -140,6 +147,7 @@ class FSDPState:
         # Set before lazy init: the root's go to the context.
         self.is_last_backward = True
         self.post_optim_event = None
+        self.manual_finalization = False
         self.shared_streams: dict | None = None  # share_comm_ctx
         self.conflicts: list[str] = []  # parameters owned by another group
         self.mesh_info = None  # the mesh fully_shard was given (set by fully_shard)
@@ -236,8 +244,10 @@ class FSDPState:
             context.spmd = spmd_types_module()
             context.spmd.register_local_autograd_function(_PostBackward)
             context.untyped = untyped
+        finalize.check_lazy_init(states, self)
         context.is_last_backward = self.is_last_backward
         context.post_optim_event = self.post_optim_event
+        context.manual_finalization = self.manual_finalization
         for state in states:
             state.context = context
             state.is_root = state is self
@@ -271,6 +281,7 @@ class FSDPState:
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self.context
+        finalize.check_no_pending(context)
         if torch.is_grad_enabled():
             context.forward_order = []
             context.backward_slots = []
@@ -335,6 +346,7 @@ class FSDPState:
                 state.group.discard_unshard_state()
                 state.group.discard_gradient_state()
         context.agreement.discard()
+        finalize.discard(context)
         context.forward_order = []
         context.backward_slots = []
         context.backward_order = None
@@ -409,6 +421,8 @@ class FSDPState:
         context = self.context
         if not context.callback_queued:
             context.callback_queued = True
+            if context.manual_active is None:  # the iteration's mode, set at its start
+                context.manual_active = context.manual_finalization
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             context.backward_order = BackwardOrder(context.backward_slots)
         # [Note: Backward order] the slots before this one that did not fire here
@@ -463,24 +477,32 @@ class FSDPState:
         for state, hooked in context.backward_order.rest():
             state._replay(hooked)
         context.backward_order = None
+        manual = context.manual_active  # [Note: Manual backward finalization]
+        last = context.is_last_backward and not manual
         for state in context.states:
             group = state.group
             if group is None:
                 continue
+            state._modules_ran.clear()
             if not group.post_backward_done:
+                if manual and group.reduce_grads:
+                    group.finalize_pending = True  # reduced by finalize_backward()
+                    continue
                 group.post_backward()
             # Not the last backward (set_is_last_backward(False), as with pipeline
             # schedules): an unshard started but not used stays for the next one.
-            keep = not context.is_last_backward and group.unshard_pending
+            keep = not last and group.unshard_pending
             post_forward = group.state == ShardedState.SHARDED_POST_FORWARD
             if (group.reshard_after_backward or post_forward) and not keep:
                 group.reshard()
             group.post_backward_done = False
-            state._modules_ran.clear()
-        context.agreement.resolve()  # [Note: Gradient agreement]
-        context.streams.end_of_backward()
-        if context.is_last_backward:
-            context.forward_order = []  # otherwise the next backward prefetches by it
+        if manual:  # this backward's own reductions agreed; the rest at finalize
+            context.agreement.resolve()
+        elif last:
+            finalize.end_iteration(context)
+        else:
+            context.agreement.resolve()  # [Note: Gradient agreement]
+            context.streams.end_of_backward()
 
 
 def _still_on_meta(state: FSDPState, name_of: dict[int, str]) -> RuntimeError:

@@ -94,6 +94,9 @@ class CommStreams:
         # dropped after its collective where FSDP2 keeps it until the next
         # group's reduction ([Note: Reduction memory] in gradients.py).
         self.released_reduce_bytes = 0
+        # The GradientReductionHandle not yet waited on of a root using these
+        # streams ([Note: Manual backward finalization]); never set on NO_STREAMS.
+        self.active_reduction = None
         if module is None:
             return
         self.copy_in = module.Stream(priority=-1)

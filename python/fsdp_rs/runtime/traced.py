@@ -190,6 +190,8 @@ _REASONS = {
     "division": "a gradient divide factor needs a pre-multiplied sum",
     "no_all_reduce": "the all-reduce across replicas is off (set_requires_all_reduce(False))",
     "flags": "a group's reduction flags changed other than through its FSDPModule setters",
+    "manual": "backward finalization is manual (set_manual_backward_finalization(True))",
+    "keep": "a group keeps its unsharded storage (set_keep_unsharded_storage(True))",
 }
 
 
@@ -232,6 +234,12 @@ def _reduction(group) -> tuple[str, str, float, float]:
 def _why_not(context) -> str | None:
     """The first reason (a key of ``_REASONS``) why some group of ``context``
     cannot be traced now, or None."""
+    if (
+        context.manual_finalization
+        or context.manual_active
+        or context.pending_reduction is not None
+    ):
+        return "manual"  # [Note: Manual backward finalization]
     return _why_not_groups(state.traced_groups for state in context.states)
 
 
@@ -257,6 +265,8 @@ def _why_not_groups(per_state) -> str | None:
                 return "comm"
             if group.state != ShardedState.SHARDED or group.unshard_pending:
                 return "unsharded"
+            if group.keep_unsharded_storage:
+                return "keep"
             if (
                 group.gradient_divide_factor != traced.factor
                 or group.force_sum_reduction != traced.force_sum

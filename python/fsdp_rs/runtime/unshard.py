@@ -98,7 +98,8 @@ class Unsharding:
     parameters and the unsharded buffer and parameters it made."""
 
     def _free_unsharded(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
+        if not self.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
+            self.unsharded.untyped_storage().resize_(0)
 
     def _alloc_unsharded(self) -> None:
         storage = self.unsharded.untyped_storage()
