@@ -9,6 +9,8 @@ there, everything else bit for bit. With CUDA, every comparison is exact.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -217,6 +219,39 @@ def test_reduce_scatter_copy_in_flat_predivide(divide_factor):
     )
     assert torch.equal(ref, expected)
     assert_close_1ulp(tri, ref, exact=not INTERPRETED, ulps=2)
+
+
+@pytest.mark.parametrize("tables_from", ["group_tables", "plain_tensors"])
+def test_reduce_scatter_copy_in_wrong_sized_gradient_raises(tables_from):
+    """[Note: Gradient sizes] A gradient of another size than its param raises
+    before the launch, in both implementations, instead of being read with
+    zeros past its end or cut. With GroupTables' tables, by the params' exact
+    numels; with tables made otherwise, by the padded chunks (a device table
+    read back once, then kept on it until the table is written), where a
+    gradient a row short whose chunk rounds to the plan's still passes."""
+    shapes = CASES["odd"]
+    plan = make_plan(shapes, 3, 0, torch.float32, torch.float32, torch.float32)
+    args = list(GroupTables.from_plan(plan, DEVICE).reduce_scatter_args())
+    exact = tables_from == "group_tables"
+    if not exact:
+        args = [t.clone() for t in args]
+    grads = [g.to(DEVICE) for g in make_params(shapes, torch.float32, seed=3)]
+    out = torch.empty(3, plan.row_numel, device=DEVICE)
+    cases = [(0, grads[0][:-3]), (2, torch.zeros(10, 3, 5, device=DEVICE))]
+    cases += [(0, grads[0][:-1])] if exact else []  # 16 rows of 17: the same chunk
+    for i, bad in cases:
+        wrong = list(grads)
+        wrong[i] = bad
+        for op in (torch.ops.fsdp_rs.reduce_scatter_copy_in, triton_reduce_scatter_copy_in):
+            with pytest.raises(
+                ValueError, match=re.escape(f"gradient {i} has shape {tuple(bad.shape)}")
+            ):
+                op(wrong, out, *args)
+    wrong = list(grads)
+    wrong[1] = None  # a missing gradient is not a wrong one
+    triton_reduce_scatter_copy_in(wrong, out, *args)
+    args[1].add_(0)  # written: the next call reads the table again
+    triton_reduce_scatter_copy_in(grads, out, *args)
 
 
 @pytest.mark.parametrize("divide_factor", [2.0, 3.0, 8.0])

@@ -11,6 +11,7 @@ import math
 import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, FLOAT_NAMES, is_copyable
@@ -176,3 +177,37 @@ def chunk_runs(padded: list[int], chunk_numel: torch.Tensor, op: str) -> list[in
                 "elements; pass (shard size on the sharded dim) * (numel of the dims after it)"
             )
     return runs
+
+
+_HOST = "_fsdp_rs_host"
+_PARAM_NUMEL = "_fsdp_rs_param_numel"
+
+
+def keep_param_numel(padded_numel: torch.Tensor, numel: np.ndarray) -> None:
+    """Keep the params' numels (host) on a plan's ``padded_numel`` table, for
+    the size checks of the ops that read per-param tensors ([Note: Gradient
+    sizes] in reduce_scatter_copy_in.py)."""
+    setattr(padded_numel, _PARAM_NUMEL, numel)
+
+
+def param_numel(padded_numel: torch.Tensor) -> np.ndarray | None:
+    """What ``keep_param_numel`` kept on the table, or None."""
+    return getattr(padded_numel, _PARAM_NUMEL, None)
+
+
+def keep_host(table: torch.Tensor, values: np.ndarray) -> None:
+    """Keep ``values`` (what ``table`` was uploaded from) on ``table`` for
+    ``host_table``."""
+    setattr(table, _HOST, (table._version, values))
+
+
+def host_table(table: torch.Tensor) -> np.ndarray:
+    """A device table's values on the host, for checks that must not wait for
+    the device: ``GroupTables`` keeps them on the tables it uploads; another
+    table is read back once (one synchronization) and the copy kept on it,
+    until the table is written (its version moves)."""
+    kept = getattr(table, _HOST, None)
+    if kept is None or kept[0] != table._version:
+        keep_host(table, table.cpu().numpy())
+        kept = getattr(table, _HOST)
+    return kept[1]

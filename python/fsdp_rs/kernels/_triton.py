@@ -66,22 +66,28 @@ def pointer_table(
     device: torch.device,
     words: int = 1,
     present: list[torch.Tensor] | None = None,
+    numel: np.ndarray | None = None,
+    at: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tensor's address and ``numel * words`` (0 and 0 for None) as two
     contiguous int64 columns on ``device``, in one upload; see [Note: Pointer
     tables] in reduce_scatter_copy_in.py. The attributes are read by C-level
     ``map``s into NumPy, not a Python loop: about 0.1 us per tensor.
-    ``present``: ``tensors`` without the Nones, where the caller has it."""
+    ``present``: ``tensors`` without the Nones, ``numel`` their numels and
+    ``at`` where they sit in ``tensors`` (a mask or a full slice), where the
+    caller has them."""
     count = len(tensors)
     table = np.zeros((2, count), np.int64)
     if present is None:
         present = list(itertools.filterfalse(is_none, tensors))
-    if len(present) == count:
-        at: Any = slice(None)
-    else:
+    if at is None and len(present) == count:
+        at = slice(None)
+    elif at is None:
         at = ~np.fromiter(map(is_none, tensors), bool, count)
     table[0, at] = np.fromiter(map(torch.Tensor.data_ptr, present), np.int64, len(present))
-    table[1, at] = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+    if numel is None:
+        numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+    table[1, at] = numel
     if words != 1:
         table[1] *= words
     uploaded = torch.from_numpy(table).to(device, non_blocking=True)

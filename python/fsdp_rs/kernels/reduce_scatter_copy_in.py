@@ -24,7 +24,8 @@ gradient, and pre-placing gradients in a group buffer makes autograd accumulate
 into zeroed memory (a memset plus a read-modify-write; the runtime does it only where
 the buffer fits in memory FSDP2 would hold anyway: [Note: Reduction memory]
 in ``runtime/gradients.py``). The numel column bounds
-every read, so a wrong-sized gradient can never make the kernel read outside it.
+every read, so a wrong-sized gradient can never make the kernel read outside
+it; the host checks each size before the launch ([Note: Gradient sizes]).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +49,9 @@ from fsdp_rs.kernels._checks import (
     chunk_runs,
     device_of,
     dtype_of,
+    host_table,
     is_none,
+    param_numel,
 )
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
@@ -145,32 +149,72 @@ def _check_grads(
     dtype: torch.dtype,
     device: torch.device,
 ) -> np.ndarray:
-    """Every gradient has ``dtype``, is on ``device`` and has the padded chunk the
-    plan expects. Vectorized (C-level ``map``s and NumPy); on a failure the
-    per-gradient loop finds the first offender and names it. Returns each
-    gradient's numel, ``W * n`` (its zero stand-in's) for a missing one."""
+    """Every gradient has ``dtype``, is on ``device`` and the size the plan
+    expects (``_check_sizes``). Vectorized (C-level ``map``s and NumPy); on a
+    failure the per-gradient loop finds the first offender and names it.
+    Returns each gradient's numel, ``W * n`` (its zero stand-in's) for a
+    missing one."""
     present = list(itertools.filterfalse(is_none, grads))
-    padded = padded_numel.cpu().numpy()
-    ok = True
-    numel = np.empty(0, np.int64)
-    mask = np.fromiter(map(is_none, grads), bool, len(grads)) ^ True
-    if present:
-        ok = set(map(dtype_of, present)) == {dtype} and set(map(device_of, present)) == {device}
-        count = len(present)
-        ok = ok and bool((np.fromiter(map(torch.Tensor.dim, present), np.int64, count) > 0).all())
-        if ok:
-            d0 = np.fromiter(map(_FIRST, map(_SHAPE, present)), np.int64, count)
-            numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, count)
-            chunk = -(-d0 // world_size) * (numel // np.maximum(d0, 1))
-            ok = np.array_equal(chunk, padded[mask])
-    if ok:
-        numels = padded * world_size
-        numels[mask] = numel
-        return numels
+    if present and not (
+        set(map(dtype_of, present)) == {dtype} and set(map(device_of, present)) == {device}
+    ):
+        for i, g in enumerate(grads):
+            if g is not None:
+                _check_grad(i, g, dtype, device)
+    numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+    padded = host_table(padded_numel)
+    mask = _present_mask(grads, present)
+    _check_sizes(grads, present, numel, mask, padded_numel, world_size)
+    numels = padded * world_size
+    numels[mask] = numel
+    return numels
+
+
+def _present_mask(grads: Sequence[torch.Tensor | None], present: list) -> Any:
+    """Where ``present`` (``grads`` without the Nones) sits in ``grads``."""
+    if len(present) == len(grads):
+        return slice(None)
+    return np.fromiter(map(is_none, grads), bool, len(grads)) ^ True
+
+
+def _check_sizes(
+    grads: Sequence[torch.Tensor | None],
+    present: list[torch.Tensor],
+    numel: np.ndarray,
+    mask: Any,
+    padded_numel: torch.Tensor,
+    world_size: int,
+) -> None:
+    """[Note: Gradient sizes] Each gradient has its param's size: the kernel
+    reads a short gradient's missing tail as zeros and cuts a long one, so a
+    wrong size would go through silently. ``GroupTables`` keeps the params'
+    numels on its ``padded_numel`` (``param_numel``): one NumPy comparison of
+    the numels the pointer table reads anyway. Tables made otherwise carry
+    only the padded chunks: each gradient's ``ceil(d0 / W)`` rows times its
+    inner size must be its chunk (three more attribute reads per gradient)."""
+    exact = param_numel(padded_numel)
+    if exact is not None:
+        if np.array_equal(numel, exact[mask]):
+            return
+        for i, (g, n) in enumerate(zip(grads, exact.tolist(), strict=True)):
+            if g is not None and g.numel() != n:
+                raise ValueError(
+                    f"{OP}: gradient {i} has shape {tuple(g.shape)} ({g.numel()} elements) "
+                    f"but the plan's param has {n}; pass the gradient of the unsharded "
+                    "param the plan was made for"
+                )
+    padded = host_table(padded_numel)
+    count = len(present)
+    if count and (np.fromiter(map(torch.Tensor.dim, present), np.int64, count) > 0).all():
+        d0 = np.fromiter(map(_FIRST, map(_SHAPE, present)), np.int64, count)
+        chunk = -(-d0 // world_size) * (numel // np.maximum(d0, 1))
+        if np.array_equal(chunk, padded[mask]):
+            return
+    elif not count:
+        return
     for i, (g, n) in enumerate(zip(grads, padded.tolist(), strict=True)):
         if g is None:
             continue
-        _check_grad(i, g, dtype, device)
         d0 = g.shape[0] if g.dim() else 1
         inner = g.numel() // d0 if d0 else 0
         if g.dim() == 0 or -(-d0 // world_size) * inner != n:
@@ -379,7 +423,10 @@ def triton_reduce_scatter_copy_in(
     reduce_scatter_input, words = kernel_view(reduce_scatter_input)
     world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
     grads, present = _kernel_grads(grads, dtype, device)
-    grad_ptrs, grad_numel = pointer_table(grads, device, words, present)
+    numel = np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+    mask = _present_mask(grads, present)
+    _check_sizes(grads, present, numel, mask, padded_numel, world_size)  # on the host
+    grad_ptrs, grad_numel = pointer_table(grads, device, words, present, numel, mask)
     inv = f32_reciprocal(divide_factor)
     _rs_copy_in_kernel[(num_tiles, world_size)](
         grad_ptrs,

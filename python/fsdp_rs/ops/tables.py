@@ -9,13 +9,18 @@ import numpy as np
 import torch
 
 from fsdp_rs._core import GroupPlan
+from fsdp_rs.kernels._checks import keep_host, keep_param_numel
 
 __all__ = ["GroupTables"]
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(array)
-    return t if device.type == "cpu" else t.to(device)
+    if device.type == "cpu":
+        return t
+    t = t.to(device)
+    keep_host(t, array)  # checks read the host's copy, not the device's
+    return t
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,13 @@ class GroupTables:
         # warnings context for all six: entering one costs about 5 us.)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
+            padded_numel = _tensor(plan.padded_sharded_numel, device)
+            keep_param_numel(padded_numel, plan.numel)  # for the ops' size checks
             return cls(
                 plan,
                 _tensor(plan.row_offsets, device),
                 _tensor(plan.unsharded_offsets, device),
-                _tensor(plan.padded_sharded_numel, device),
+                padded_numel,
                 _tensor(plan.tile_param, device),
                 _tensor(plan.tile_start, device),
                 _tensor(plan.tile_len, device),
