@@ -254,6 +254,28 @@ def test_reduce_scatter_copy_in_wrong_sized_gradient_raises(tables_from):
     triton_reduce_scatter_copy_in(grads, out, *args)
 
 
+@pytest.mark.parametrize("per_param", [False, True], ids=["group_buffer", "per_param"])
+def test_all_gather_copy_out_too_small_output_raises(per_param):
+    """An output smaller than the plan's raises in both implementations,
+    instead of the kernel's bounded writes silently leaving elements out."""
+    shapes = CASES["odd"]
+    plan = make_plan(shapes, 3, 0, torch.float32, torch.float32, torch.float32)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    ag = torch.randn(3, plan.row_numel, device=DEVICE)
+    padded = plan.padded_sharded_numel.tolist()
+    if per_param:
+        out = [torch.empty(3 * n, device=DEVICE) for n in padded]
+        out[2] = out[2][:-1]
+        words = "out\\[2\\] has"
+    else:
+        span = max(u + 3 * n for u, n in zip(plan.unsharded_offsets.tolist(), padded, strict=True))
+        out = [torch.empty(span - 1, device=DEVICE)]
+        words = "params span"
+    for op in (torch.ops.fsdp_rs.all_gather_copy_out, triton_all_gather_copy_out):
+        with pytest.raises(ValueError, match=words):
+            op(ag, out, *tables.copy_out_args())
+
+
 @pytest.mark.parametrize("divide_factor", [2.0, 3.0, 8.0])
 @pytest.mark.parametrize("reduce", DTYPES, ids=dtype_id)
 def test_reduce_scatter_copy_in_predivide(divide_factor, reduce):

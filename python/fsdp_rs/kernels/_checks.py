@@ -211,3 +211,21 @@ def host_table(table: torch.Tensor) -> np.ndarray:
         keep_host(table, table.cpu().numpy())
         kept = getattr(table, _HOST)
     return kept[1]
+
+
+_EXTENT = "_fsdp_rs_extent"
+
+
+def unsharded_extent(
+    unsharded_offsets: torch.Tensor, padded_numel: torch.Tensor, world_size: int
+) -> int:
+    """How many elements of the group buffer the params span (``max(u + W *
+    n)``), from the tables' host copies; kept on ``padded_numel`` until either
+    table is written or another world size asks."""
+    key = (world_size, id(unsharded_offsets), unsharded_offsets._version, padded_numel._version)
+    kept = getattr(padded_numel, _EXTENT, None)
+    if kept is None or kept[0] != key:
+        u, n = host_table(unsharded_offsets), host_table(padded_numel)
+        kept = (key, int((u + world_size * n).max()) if len(n) else 0)
+        setattr(padded_numel, _EXTENT, kept)
+    return kept[1]

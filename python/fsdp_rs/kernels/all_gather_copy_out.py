@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fsdp_rs.kernels._checks import (
@@ -42,6 +43,8 @@ from fsdp_rs.kernels._checks import (
     chunk_runs,
     device_of,
     dtype_of,
+    host_table,
+    unsharded_extent,
 )
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._dtypes import bits, is_copyable
@@ -110,6 +113,34 @@ def check_all_gather_copy_out(
             )
 
 
+def _check_buffer_size(
+    buffer: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    world_size: int,
+) -> None:
+    """The group's unsharded buffer holds every param's ``W * n`` elements at
+    its offset."""
+    need = unsharded_extent(unsharded_offsets, padded_numel, world_size)
+    if buffer.numel() < need:
+        raise ValueError(
+            f"{OP}: out[0] (the group's unsharded buffer) has {buffer.numel()} elements, "
+            f"but the params span {need}; pass the buffer the plan was made for"
+        )
+
+
+def _check_output_sizes(out: Sequence[torch.Tensor], numel: np.ndarray, want: np.ndarray) -> None:
+    """Per-param outputs: each has ``W * padded_numel`` elements, as the
+    reference requires."""
+    if np.array_equal(numel, want):
+        return
+    for i, (t, n) in enumerate(zip(out, want.tolist(), strict=True)):
+        if t.numel() != n:
+            raise ValueError(
+                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel ({n})"
+            )
+
+
 def _plain_outputs(out: Sequence[torch.Tensor], all_gather_output: torch.Tensor) -> bool:
     """Every output a contiguous 1-D tensor of ``all_gather_output``'s dtype and
     device: C-level ``map``s, constant Python calls whatever the number of
@@ -151,6 +182,7 @@ def torch_all_gather_copy_out(
                           chunk_numel)  # fmt: skip
         return
     if len(out) == 1:
+        _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
         index = copy_out_index(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
         )
@@ -294,14 +326,22 @@ def triton_all_gather_copy_out(
     num_tiles = tile_param.numel()
     if num_tiles == 0 or all_gather_output.shape[0] == 0:
         return
+    world_size = all_gather_output.shape[0]
+    per_param = len(out) > 1
+    # The kernel bounds its writes by each output's numel: an output too small
+    # would silently miss elements. Checked on the tables' host copies.
+    if per_param:
+        numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
+        _check_output_sizes(out, numel, host_table(padded_numel) * world_size)
+    else:
+        _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
     dtype = all_gather_output.dtype
     all_gather_output, words = kernel_view(all_gather_output)
     if all_gather_output.dtype != dtype:  # raw copies of a non-float dtype
         out = [kernel_view(t)[0] for t in out]
-    world_size, row_numel = all_gather_output.shape  # row_numel in words
-    per_param = len(out) > 1
+    row_numel = all_gather_output.shape[1]  # in words
     if per_param:
-        dst_ptrs, dst_numel = pointer_table(out, all_gather_output.device)
+        dst_ptrs, dst_numel = pointer_table(out, all_gather_output.device, 1, out, numel * words)
     else:
         dst_ptrs = dst_numel = row_offsets  # unused
     _copy_out_kernel[(num_tiles, world_size)](
