@@ -299,16 +299,24 @@ def measure(
         if not meter.cuda:
             meter._tracker.track_external(model, opt)
         micro = options.get("micro", 1)
+        manual = options.get("manual", False)  # every micro-step without sync, then
+        if manual:  # finalize_backward() (torch >= 2.15 for FSDP2)
+            if not hasattr(model, "finalize_backward"):
+                raise ValueError(f"{config}: this torch's FSDP2 has no finalize_backward")
+            model.set_manual_backward_finalization(True)
         result: dict[str, int] = {"init": meter.current()}
         for _ in range(steps):
             meter.reset_peak()
             for k in range(micro):
-                model.set_requires_gradient_sync(k == micro - 1)
+                model.set_requires_gradient_sync(k == micro - 1 and not manual)
                 meter.before_forward()
                 loss = _loss(model(x))
                 result["forward"] = meter.current()
                 loss.backward()
                 del loss
+            if manual:
+                model.set_requires_gradient_sync(True)
+                model.finalize_backward()
             opt.step()
             result["optimizer"] = meter.current()
             opt.zero_grad()
