@@ -49,8 +49,19 @@ def main() -> None:
         state_dict_type="SHARDED_STATE_DICT",
         activation_checkpointing=os.environ.get("AC", "0") == "1",
     )
+    compile_kwargs = {}
+    if os.environ.get("COMPILE"):  # a backend: accelerate compiles each decoder layer
+        from accelerate.utils import TorchDynamoPlugin
+
+        compile_kwargs["dynamo_plugin"] = TorchDynamoPlugin(
+            backend=os.environ["COMPILE"], use_regional_compilation=True
+        )
     acc = Accelerator(
-        fsdp_plugin=plugin, mixed_precision=mp, gradient_accumulation_steps=accum, cpu=True
+        fsdp_plugin=plugin,
+        mixed_precision=mp,
+        gradient_accumulation_steps=accum,
+        cpu=True,
+        **compile_kwargs,
     )
     # accelerate picks FSDP for accelerator types only: on CPU it is set by hand.
     acc.state.distributed_type = DistributedType.FSDP
