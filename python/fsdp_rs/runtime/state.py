@@ -498,6 +498,7 @@ class FSDPState:
             group.post_backward_done = False
         if manual:  # this backward's own reductions agreed; the rest at finalize
             context.agreement.resolve()
+            context.streams.flush_all_gather()  # what forward left, as at any backward end
         elif last:
             finalize.end_iteration(context)
         else:
