@@ -75,8 +75,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _shards(model: nn.Module) -> dict[str, list[float]]:
-    return {n: _local(p).detach().double().flatten().tolist() for n, p in model.named_parameters()}
+def _shards(model: nn.Module | dict, grads: bool = False) -> dict[str, list[float]]:
+    """Each parameter's local shard (its gradient's with ``grads``) as floats;
+    ``model``: a module, or modules by name."""
+    modules = model.items() if isinstance(model, dict) else [("", model)]
+    return {
+        f"{name}.{n}" if name else n: _local(p.grad if grads else p)
+        .detach()
+        .double()
+        .flatten()
+        .tolist()
+        for name, module in modules
+        for n, p in module.named_parameters()
+    }
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -446,6 +457,45 @@ def forward_ad(world_size: int, rank: int, reshard_after_forward: bool = False) 
             "params": _shards(model),
         }
     return out
+
+
+def jvp_of_outside_input(world_size: int, rank: int) -> dict:
+    """torch's own test (test_no_warmup_jvp_reshard_after_forward_false): an
+    encoder's output computed outside ``torch.func.jvp``, the decoder run
+    inside it on that output (bf16, ``reshard_after_forward=False``), then a
+    backward of the primal output. FSDP2 before torch 2.10 fails inside jvp
+    (a functorch wrapper has no storage): there only fsdp-rs is checked."""
+    out = {}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for lib in LIBS:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            enc, dec = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(HIDDEN, OUT, bias=False)
+        for module in (enc, dec):
+            LIBS[lib](
+                module, mesh=_mesh(world_size, False), mp_policy=mp, reshard_after_forward=False
+            )
+        x = _inputs(rank, 0)
+        primal = torch.randn(OUT, generator=torch.Generator().manual_seed(rank))
+        encoded = enc(x)
+        try:
+            decode = functools.partial(_ignore_first, dec, encoded)
+            output, tangent = torch.func.jvp(decode, (primal,), (primal,))
+        except NotImplementedError as e:  # FSDP2 < 2.10
+            out[lib] = {"failed": str(e)}
+            continue
+        output.float().pow(2).mean().backward()
+        out[lib] = {
+            "output": output.float().flatten().tolist(),
+            "dtype": str(output.dtype),
+            "tangent_zero": bool((tangent == 0).all()),
+            "grads": _shards({"enc": enc, "dec": dec}, grads=True),
+        }
+    return out
+
+
+def _ignore_first(module: nn.Module, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    return module(x)
 
 
 # ----------------------------------------------------------------- containers
@@ -845,6 +895,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "checkpoint_wrapper": (checkpoint_wrapped, {}),
     "jvp": (forward_ad, {}),
     "jvp_reshard": (forward_ad, {"reshard_after_forward": True}),
+    "jvp_outside_input": (jvp_of_outside_input, {}),
     "containers": (containers, {}),
     "containers_bf16": (containers, {"mp": True}),
     "after_checkpoint": (second_model, {}),

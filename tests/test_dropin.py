@@ -150,6 +150,18 @@ def test_forward_mode_ad(results, name):
         _assert_same(rank, r["rs"], r["torch"])
 
 
+def test_jvp_of_an_input_from_outside_the_transform(results):
+    """torch's test_no_warmup_jvp_reshard_after_forward_false: the decoder's
+    input comes from outside torch.func.jvp; output, a zero tangent and the
+    gradients of a backward after it equal FSDP2's (where FSDP2 runs it)."""
+    for rank, r in _each_rank(results, "jvp_outside_input"):
+        rs, ref = r["rs"], r["torch"]
+        assert rs["dtype"] == "torch.bfloat16" and rs["tangent_zero"]
+        assert all(any(v != 0 for v in g) for g in rs["grads"].values()), rank
+        if "failed" not in ref:
+            _assert_same(rank, rs, ref)
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -113,15 +113,30 @@ def _nothing() -> contextlib.nullcontext:
 
 
 class _PostBackward(torch.autograd.Function):
+    """The identity on a module call's inputs whose backward runs the group's
+    post-backward. In the form torch.func transforms take (``setup_context``,
+    a ``jvp`` passing tangents through, a generated vmap rule): under
+    ``torch.func.jvp`` an input computed outside the transform is how its
+    gradient path is hooked."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
-        ctx.state = state
+    def forward(state: FSDPState, *inputs: torch.Tensor):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         ctx.state.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, state_tangent: Any, *tangents: torch.Tensor):
+        return tangents
 
 
 class FSDPState:
@@ -379,12 +394,12 @@ class FSDPState:
         if not tensors:
             return args, kwargs
         self._call_hooked = True
-        if len(tensors) == 1:
+        view = tensors[0].view_as(tensors[0]) if len(tensors) == 1 else None
+        if view is not None and view.grad_fn is not None:
             # One input: the cheaper view pre-hook of [Note: Backward hooks].
-            view = tensors[0].view_as(tensors[0])
             view.grad_fn.register_prehook(self._post_backward_hook)
             outs: tuple[torch.Tensor, ...] = (view,)
-        else:
+        else:  # several inputs, or one from outside a torch.func transform
             outs = _PostBackward.apply(self, *tensors)
         it = iter(outs)
 
