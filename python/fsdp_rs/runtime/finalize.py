@@ -57,7 +57,8 @@ class GradientReductionHandle:
                 "fsdp_rs: this gradient reduction handle was invalidated by "
                 "reset_iter_state(); its gradients are discarded"
             )
-        end_iteration(context)
+        with context.untyped():
+            end_iteration(context)
 
 
 def set_manual(state, enabled: bool) -> None:
@@ -136,18 +137,19 @@ def finalize_backward(state, async_op: bool):
         raise RuntimeError(
             "fsdp_rs: finalize_backward must be called after backward completes, not inside it"
         )
-    for each in reversed(context.states):
-        group = each.group
-        if group is None:
-            continue
-        if group.finalize_pending:
-            group.post_backward()
-        elif group.reshard_after_backward:
-            group.reshard()
-        group.post_backward_done = False
-    if not async_op:
-        end_iteration(context)
-        return None
+    with context.untyped():  # the hooks' own tensor work ([Note: spmd_types parameters])
+        for each in reversed(context.states):
+            group = each.group
+            if group is None:
+                continue
+            if group.finalize_pending:
+                group.post_backward()
+            elif group.reshard_after_backward:
+                group.reshard()
+            group.post_backward_done = False
+        if not async_op:
+            end_iteration(context)
+            return None
     handle = GradientReductionHandle(state)
     context.pending_reduction = handle
     if context.streams is not NO_STREAMS:  # shared by the roots of share_comm_ctx
