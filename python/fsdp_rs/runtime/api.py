@@ -37,6 +37,7 @@ _CLASS_CACHE: dict[type, type] = {}
 # registry would stop nn.Module._apply from swapping the (DTensor) parameters.
 _OWNER_ATTR = "_fsdp_rs_owner"
 _DTYPE = operator.attrgetter("dtype")
+_GRAD_DTYPE = operator.attrgetter("grad_dtype")
 
 
 def _gc_paused(fn: Callable) -> Callable:
@@ -114,6 +115,7 @@ def fully_shard(
     info = mesh_info(mesh, dp_mesh_dims)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
+    _refuse_grad_dtypes(managed)
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
     if managed.params:
@@ -164,6 +166,29 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
+
+
+def _refuse_grad_dtypes(managed) -> None:
+    """A parameter whose ``grad_dtype`` (torch >= 2.10) is not its dtype: torch
+    2.15's FSDP2 gives its gradients that dtype (sharded ones included), torch
+    2.13's drops it. fsdp-rs gives a sharded gradient the parameter's dtype, so
+    it refuses rather than drop the setting silently."""
+    params = managed.params
+    if not params or not hasattr(params[0], "grad_dtype"):
+        return
+    dtypes = list(map(_DTYPE, params))
+    if list(map(_GRAD_DTYPE, params)) == dtypes:
+        return
+    for fqn, p in zip(managed.fqns, params, strict=True):
+        if p.grad_dtype != p.dtype:
+            raise ValueError(
+                f"fully_shard: parameter {fqn} has grad_dtype {p.grad_dtype} but dtype "
+                f"{p.dtype}; fsdp-rs gives a sharded parameter's gradient its dtype and does "
+                "not keep a per-parameter grad_dtype (torch 2.15's FSDP2 does). Unset it "
+                "(param.grad_dtype = param.dtype), and for gradients reduced in a wider dtype "
+                "pass MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) on parameters "
+                "kept in the wider dtype"
+            )
 
 
 def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:
