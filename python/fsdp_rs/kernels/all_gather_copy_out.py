@@ -129,15 +129,18 @@ def _check_buffer_size(
         )
 
 
-def _check_output_sizes(out: Sequence[torch.Tensor], numel: np.ndarray, want: np.ndarray) -> None:
-    """Per-param outputs: each has ``W * padded_numel`` elements, as the
-    reference requires."""
-    if np.array_equal(numel, want):
+def _check_output_sizes(
+    out: Sequence[torch.Tensor], numel: np.ndarray, padded: np.ndarray, world_size: int
+) -> None:
+    """Per-param outputs (their ``numel``): each has ``W * padded_numel``
+    elements; one NumPy comparison, the loop only to name the offender."""
+    if np.array_equal(numel, padded * world_size):
         return
-    for i, (t, n) in enumerate(zip(out, want.tolist(), strict=True)):
-        if t.numel() != n:
+    for i, (t, n) in enumerate(zip(out, padded.tolist(), strict=True)):
+        if t.numel() != world_size * n:
             raise ValueError(
-                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel ({n})"
+                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel "
+                f"({world_size} * {n})"
             )
 
 
@@ -201,13 +204,10 @@ def torch_all_gather_copy_out(
     # One strided copy per param: no index, no temporary (the traced hooks'
     # per-parameter outputs are allocated inside the graph, so a temporary here
     # would add to the step's peak).
+    numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
+    _check_output_sizes(out, numel, host_table(padded_numel), world_size)
     rows, padded = row_offsets.tolist(), padded_numel.tolist()
-    for i, (t, r, n) in enumerate(zip(out, rows, padded, strict=True)):
-        if t.numel() != world_size * n:
-            raise ValueError(
-                f"{OP}: out[{i}] has {t.numel()} elements, not world_size * padded_numel "
-                f"({world_size} * {n})"
-            )
+    for t, r, n in zip(out, rows, padded, strict=True):
         t.view(world_size, n).copy_(all_gather_output[:, r : r + n])
 
 
@@ -332,7 +332,7 @@ def triton_all_gather_copy_out(
     # would silently miss elements. Checked on the tables' host copies.
     if per_param:
         numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
-        _check_output_sizes(out, numel, host_table(padded_numel) * world_size)
+        _check_output_sizes(out, numel, host_table(padded_numel), world_size)
     else:
         _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
     dtype = all_gather_output.dtype
