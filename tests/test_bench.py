@@ -322,6 +322,7 @@ COPY_RECORD_TYPES = {
     "copy_s": float,
     "fsdp_rs_host_s": float,
     "torch_host_s": float,
+    "fsdp_rs_dispatch_host_s": float,
     "aliases": bool,
     "outputs_equal": bool,
     "torch_impl": str,
@@ -381,6 +382,7 @@ def test_copy_json_and_plot(tmp_path: Path, capsys) -> None:
             assert r["speedup"] is r["frac_of_copy"] is r["fsdp_rs_gbps"] is None
             continue
         assert r["fsdp_rs_s"] > 0
+        assert r["fsdp_rs_dispatch_host_s"] > 0
         assert r["speedup"] == pytest.approx(r["torch_s"] / r["fsdp_rs_s"])
         assert r["frac_of_copy"] == pytest.approx(r["copy_s"] / r["fsdp_rs_s"])
         assert r["fsdp_rs_gbps"] == pytest.approx(r["bytes"] / r["fsdp_rs_s"] / 1e9)
@@ -577,3 +579,21 @@ def test_memory_cli_prints_and_records_the_predicted_peak(tmp_path, capsys):
             assert f"{r['predicted_bytes'] / 2**20:.2f}" in line
         else:
             assert r["predicted_bytes"] is None
+
+
+def test_copy_several_world_sizes_and_mixes(tmp_path: Path, capsys) -> None:
+    """--world-size and --dtypes repeat: one table and one set of records per
+    (W, mix), every output compared with torch's; the fsdp-rs side is timed as
+    the runtime calls it and once more through torch.ops.fsdp_rs."""
+    out_json = tmp_path / "copy.json"
+    argv = [*TINY, "--scale", "0.001", "--case", "c", "--case", "e", "--json", str(out_json)]
+    mixes = ["--world-size", "2", "--world-size", "4", "--dtypes", "fp32,fp32,fp32"]
+    assert _copy([*argv, *mixes, "--dtypes", "fp32,bf16,bf16"]) == 0
+    records = json.loads(out_json.read_text())
+    seen = {(r["world_size"], r["param_dtype"], r["reduce_dtype"]) for r in records}
+    assert seen == {
+        (w, p, r) for w in (2, 4) for p, r in (("float32", "float32"), ("bfloat16", "bfloat16"))
+    }
+    assert len(records) == 4 * 2 * len(_copy_module().OPS)
+    assert all(r["outputs_equal"] for r in records)
+    assert capsys.readouterr().out.count("host us via torch.ops") == 4

@@ -206,36 +206,36 @@ def _add_copy(subparsers: argparse._SubParsersAction) -> None:
         "copy",
         help="time the fsdp-rs copy ops against FSDP2's torch copies",
         description=(
-            "Time torch.ops.fsdp_rs all_gather_copy_in, all_gather_copy_out, "
-            "reduce_scatter_copy_in and post_reduce (assign and accumulate) against the "
-            "torch copies FSDP2 does for the same step and a plain copy_ of the same bytes, "
-            "on four parameter groups: (a) 8 x 64M elements, (b) a 7B transformer layer, "
-            "(c) 10,000 x 4096 elements, (d) 2,000 MoE experts x 3 matrices. On CPU the "
-            "fsdp-rs ops run their plain-torch CPU impls. Exits 1 if any output differs "
-            "from torch's."
+            "Time the fsdp-rs ops all_gather_copy_in, all_gather_copy_out, "
+            "reduce_scatter_copy_in and post_reduce (assign and accumulate), called as the "
+            "runtime calls them, against the torch copies FSDP2 does for the same step and a "
+            "plain copy_ of the same bytes, on five parameter groups: (a) 8 x 64M elements, "
+            "(b) a 7B transformer layer, (c) 10,000 x 4096 elements, (d) 2,000 MoE experts x "
+            "3 matrices, (e) 3 stacked experts sharded on dim 1. On CPU the fsdp-rs ops run "
+            "their plain-torch CPU impls. Exits 1 if any output differs from torch's."
         ),
     )
     p.add_argument(
         "--world-size",
         metavar="W",
         type=positive_int,
-        default=DEFAULT_WORLD_SIZE,
-        help=f"data-parallel world size (default: {DEFAULT_WORLD_SIZE})",
+        action="append",
+        help=f"data-parallel world size; repeat for several (default: {DEFAULT_WORLD_SIZE})",
     )
     p.add_argument(
         "--case",
         choices=COPY_CASES,
         action="append",
-        help="parameter group; repeat for several (default: a b c d)",
+        help="parameter group; repeat for several (default: every case)",
     )
     p.add_argument(
         "--dtypes",
         metavar="ORIG,PARAM,REDUCE",
         type=dtype_triple,
-        default=dtype_triple(COPY_DEFAULT_DTYPES),
+        action="append",
         help=(
             "mixed precision: orig (sharded param), param (all-gather) and reduce dtypes, "
-            f"each fp32, bf16 or fp16 (default: {COPY_DEFAULT_DTYPES})"
+            f"each fp32, bf16 or fp16; repeat for several (default: {COPY_DEFAULT_DTYPES})"
         ),
     )
     p.add_argument(
@@ -281,33 +281,25 @@ def _run_copy(args: argparse.Namespace) -> int:
     on_cpu = device.type == "cpu"
     scale = args.scale if args.scale is not None else (copy.CPU_DEFAULT_SCALE if on_cpu else 1.0)
     repeat = args.repeat or (DEFAULT_REPEAT if on_cpu else COPY_CUDA_REPEAT)
-    dtypes = copy.Dtypes.from_names(args.dtypes)
-
-    print(
-        f"copy ops on {device.type} ({copy.device_name(device)}), W={args.world_size}, "
-        f"rank 0, dtypes: {dtypes}, scale {scale:g}, median of {repeat} calls"
-    )
+    worlds = args.world_size or [DEFAULT_WORLD_SIZE]
+    mixes = [copy.Dtypes.from_names(d) for d in args.dtypes or [dtype_triple(COPY_DEFAULT_DTYPES)]]
     if on_cpu:
         print("CPU: the fsdp-rs ops run their plain-torch CPU impls (not the Triton kernels)")
     env = environment()
     records = []
-    for key in args.case or COPY_CASES:
-        case = copy.make_case(key, scale)
-        if not copy.divides(case, args.world_size):
-            if args.case:
-                args.parser.error(f"--case {key} shards dim 1 evenly: W must divide 64")
-            print(f"  ({key}) skipped: W={args.world_size} does not divide its dim 1")
-            continue
-        print(
-            f"  ({key}) {case.name}: {len(case.shapes)} params, {case.numel:.3e} elements",
-            flush=True,
-        )
-        for record in copy.bench_case(case, dtypes, args.world_size, device, repeat):
-            if not record["outputs_equal"]:
-                print(f"  MISMATCH case {key} {record['op']}: fsdp-rs != torch", file=sys.stderr)
-            records.append({**record, "scale": scale, **env})
+    for world_size in worlds:
+        for dtypes in mixes:
+            print(
+                f"copy ops on {device.type} ({copy.device_name(device)}), W={world_size}, "
+                f"rank 0, dtypes: {dtypes}, scale {scale:g}, median of {repeat} calls"
+            )
+            found = _copy_records(args, copy, world_size, dtypes, scale, device, repeat)
+            records += [{**r, "scale": scale, **env} for r in found]
+            if len(worlds) * len(mixes) > 1:
+                print(report.copy_table(found), flush=True)
 
-    print(report.copy_table(records))
+    if len(worlds) * len(mixes) == 1:
+        print(report.copy_table(records))
     if args.json:
         report.write_json(records, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -315,11 +307,39 @@ def _run_copy(args: argparse.Namespace) -> int:
         report.plot_copy_speedups(records, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
 
-    mismatched = [f"{r['case']}:{r['op']}" for r in records if not r["outputs_equal"]]
+    mismatched = [
+        f"W={r['world_size']} {r['param_dtype']}:{r['case']}:{r['op']}"
+        for r in records
+        if not r["outputs_equal"]
+    ]
     if mismatched:
         print(f"error: fsdp-rs and torch outputs differ for {mismatched}", file=sys.stderr)
         return 1
     return 0
+
+
+def _copy_records(args, copy, world_size, dtypes, scale, device, repeat) -> list[dict]:
+    """The records of every case asked for at one world size and dtype mix."""
+    records = []
+    for key in args.case or COPY_CASES:
+        case = copy.make_case(key, scale)
+        if not copy.divides(case, world_size):
+            if args.case:
+                args.parser.error(f"--case {key} shards dim 1 evenly: W must divide 64")
+            print(f"  ({key}) skipped: W={world_size} does not divide its dim 1")
+            continue
+        print(
+            f"  ({key}) {case.name}: {len(case.shapes)} params, {case.numel:.3e} elements",
+            flush=True,
+        )
+        for record in copy.bench_case(case, dtypes, world_size, device, repeat):
+            if not record["outputs_equal"]:
+                print(
+                    f"  MISMATCH W={world_size} case {key} {record['op']}: fsdp-rs != torch",
+                    file=sys.stderr,
+                )
+            records.append(record)
+    return records
 
 
 def _short(n: int) -> str:

@@ -3,7 +3,9 @@
 For each parameter group in ``CASES`` and each op registered by ``fsdp_rs.ops``
 (``OPS``; ``post_reduce`` is timed assigning and accumulating), one record holds:
 
-- ``fsdp_rs_s``: the ``torch.ops.fsdp_rs`` op on the planner's group buffers;
+- ``fsdp_rs_s``: the fsdp-rs op on the planner's group buffers, called as the
+  runtime calls it (``EagerOps``: the impl the dispatcher would pick, without
+  the dispatcher; [Note: Eager op calls] in ``fsdp_rs/ops/copies.py``);
 - ``torch_s``: the same step as FSDP2 does it in torch 2.13
   (``torch.distributed.fsdp._fully_shard._fsdp_collectives``), on FSDP2's own
   layout: padded shards back to back, no alignment gaps. Every list of views
@@ -12,7 +14,9 @@ For each parameter group in ``CASES`` and each op registered by ``fsdp_rs.ops``
   reading and writing as many bytes as the op moves: the device's measured copy
   bandwidth for that traffic (``frac_of_copy = copy_s / fsdp_rs_s``).
 - ``fsdp_rs_host_s`` / ``torch_host_s``: host seconds per call ([Note: Host
-  cost]);
+  cost]); ``fsdp_rs_dispatch_host_s``: the same op called through
+  ``torch.ops.fsdp_rs`` (what a user calling the op pays: the dispatcher boxes
+  and unboxes each tensor of a list);
 - ``aliases``: the runtime runs no op for this step (post-reduce that neither
   casts nor divides: the gradients are views of the reduce output, as FSDP2's
   are); fsdp-rs is then not timed and the table prints ``alias``.
@@ -70,7 +74,7 @@ import torch
 import fsdp_rs
 import fsdp_rs.ops  # registers torch.ops.fsdp_rs
 from fsdp_rs.bench.timing import Timing, time_call, time_cuda
-from fsdp_rs.ops import GroupTables
+from fsdp_rs.ops import EagerOps, GroupTables
 from fsdp_rs.planning import shapes_to_arrays
 
 __all__ = [
@@ -284,6 +288,11 @@ class Group:
     plan: Any
     tables: GroupTables
     generator: torch.Generator
+    ops: Any = None  # what the fsdp-rs side calls: EagerOps, or torch.ops.fsdp_rs
+
+    def __post_init__(self) -> None:
+        if self.ops is None:
+            self.ops = EagerOps(self.device)
 
     @classmethod
     def build(
@@ -376,7 +385,7 @@ def _all_gather_copy_in(g: Group, fsdp2: Any | None) -> OpBench:
     cast = d.param != d.orig
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.all_gather_copy_in(sharded, output, rank)
+        g.ops.all_gather_copy_in(sharded, output, rank)
 
     def run_torch() -> None:
         sources = inputs
@@ -408,7 +417,7 @@ def _all_gather_copy_out(g: Group, fsdp2: Any | None) -> OpBench:
     tables = g.tables.copy_out_args()
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.all_gather_copy_out(output, [unsharded], *tables)
+        g.ops.all_gather_copy_out(output, [unsharded], *tables)
 
     def run_torch() -> None:
         split_copy(torch_output, sizes, dim=1, out=outs)
@@ -433,7 +442,7 @@ def _reduce_scatter_copy_in(g: Group, fsdp2: Any | None) -> OpBench:
     tables = g.tables.reduce_scatter_args()
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, rs_input, *tables, pre)
+        g.ops.reduce_scatter_copy_in(grads, rs_input, *tables, pre)
 
     def run_torch() -> None:
         chunk_cat(grads, 0, w, out=torch_input)
@@ -462,7 +471,7 @@ def _post_reduce(g: Group, accumulate: bool) -> OpBench:
     last = {}
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.post_reduce(rs_output, sharded_grad, post, accumulate)
+        g.ops.post_reduce(rs_output, sharded_grad, post, accumulate)
 
     def run_torch() -> None:
         out = torch_output
@@ -522,7 +531,7 @@ def _all_gather_copy_out_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
     tables, chunks = g.tables.copy_out_args(), _chunk_numel(g)
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.all_gather_copy_out(output, [unsharded], *tables, chunks)
+        g.ops.all_gather_copy_out(output, [unsharded], *tables, chunks)
 
     def run_torch() -> None:
         temps = [torch.empty(w * n, dtype=d.param, device=g.device) for n in sizes]
@@ -559,7 +568,7 @@ def _reduce_scatter_copy_in_on_dims(g: Group, fsdp2: Any | None) -> OpBench:
     planned = [t.view(w, -1) for t in grads]
 
     def run_fsdp_rs() -> None:
-        torch.ops.fsdp_rs.reduce_scatter_copy_in(planned, rs_input, *tables, pre, chunks)
+        g.ops.reduce_scatter_copy_in(planned, rs_input, *tables, pre, chunks)
 
     def run_torch() -> None:
         stacked = [
@@ -677,10 +686,13 @@ def bench_case(
         torch_host = host_timer(bench.torch, torch_t)
         aliases = bench.aliases
         if aliases:  # [Note: Host cost] the runtime makes no call here
-            fsdp_rs_t = fsdp_rs_host = _NO_CALL
+            fsdp_rs_t = fsdp_rs_host = dispatch_host = _NO_CALL
         else:
             fsdp_rs_t = timer(bench.fsdp_rs)
             fsdp_rs_host = host_timer(bench.fsdp_rs, fsdp_rs_t)
+            group.ops = torch.ops.fsdp_rs  # the same call through the dispatcher
+            dispatch_host = host_timer(bench.fsdp_rs, timer(bench.fsdp_rs))
+            group.ops = EagerOps(device)
         nbytes, impl, factor = bench.nbytes, bench.torch_impl, bench.divide_factor
         del bench  # free the op's buffers before the plain copy allocates its own
         copy_t = timer(_plain_copy(nbytes, device))
@@ -712,6 +724,7 @@ def bench_case(
                 "copy_best_s": copy_t.best,
                 "fsdp_rs_host_s": fsdp_rs_host.median,
                 "torch_host_s": torch_host.median,
+                "fsdp_rs_dispatch_host_s": dispatch_host.median,
                 "aliases": aliases,
                 "fsdp_rs_gbps": _gbps(nbytes, fsdp_rs_s),
                 "torch_gbps": _gbps(nbytes, torch_s),

@@ -115,6 +115,7 @@ _COPY_HEADERS = (
     "speedup",
     "host us",
     "torch host us",
+    "host us via torch.ops",
 )
 
 
@@ -133,6 +134,7 @@ def copy_table(records: Sequence[Record]) -> str:
             _fmt(r["speedup"], ".2f"),
             _fmt(_us(r.get("fsdp_rs_host_s")), ".0f"),
             _fmt(_us(r.get("torch_host_s")), ".0f"),
+            _fmt(_us(r.get("fsdp_rs_dispatch_host_s")), ".0f"),
         ]
         for r in records
     ]
