@@ -597,3 +597,26 @@ def test_copy_several_world_sizes_and_mixes(tmp_path: Path, capsys) -> None:
     assert len(records) == 4 * 2 * len(_copy_module().OPS)
     assert all(r["outputs_equal"] for r in records)
     assert capsys.readouterr().out.count("host us via torch.ops") == 4
+
+
+def test_sweep_copy_kernels_tool() -> None:
+    """tools/sweep_copy_kernels.py (run by .ci/gpu): each launch setting it
+    times writes what the kernel's own setting writes (under the interpreter)."""
+    pytest.importorskip("triton")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "sweep_copy_kernels.py"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    argv = ["--device", "cpu", "--scale", "0.001", "--world-size", "4", "--case", "e"]
+    proc = subprocess.run(
+        [sys.executable, str(tool), *argv, "--case", "c", "--settings", "1024:2,4096:8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if "BLOCK" in line]
+    # case e: copy-out only (Shard(1)); case c: copy-out and both copy-ins; 3 settings each
+    assert len(rows) == 3 * (1 + 3), proc.stdout
+    assert "DIFFERS" not in proc.stdout

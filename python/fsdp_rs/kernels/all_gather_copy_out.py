@@ -66,6 +66,7 @@ __all__ = [
 
 OP = "all_gather_copy_out"
 BLOCK = 2048
+NUM_WARPS = 4  # per program (tools/sweep_copy_kernels.py times other BLOCK and NUM_WARPS)
 
 
 def check_all_gather_copy_out(
@@ -363,5 +364,5 @@ def triton_all_gather_copy_out(
         DTYPE=TL_DTYPES[all_gather_output.dtype],
         WORDS=words,
         BLOCK=BLOCK,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )

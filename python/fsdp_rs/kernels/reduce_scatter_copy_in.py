@@ -74,6 +74,7 @@ __all__ = [
 
 OP = "reduce_scatter_copy_in"
 BLOCK = 2048
+NUM_WARPS = 4  # per program (tools/sweep_copy_kernels.py times other BLOCK and NUM_WARPS)
 
 
 def check_reduce_scatter_copy_in(
@@ -445,6 +446,6 @@ def triton_reduce_scatter_copy_in(
         CHUNKED=chunk_numel is not None,
         WORDS=words,
         BLOCK=BLOCK,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     del grads  # contiguous copies (if any) lived until the launch was queued

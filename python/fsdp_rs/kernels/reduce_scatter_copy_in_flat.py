@@ -42,6 +42,7 @@ __all__ = [
 
 OP = "reduce_scatter_copy_in_flat"
 BLOCK = 2048
+NUM_WARPS = 4  # per program (tools/sweep_copy_kernels.py times other BLOCK and NUM_WARPS)
 
 
 def check_reduce_scatter_copy_in_flat(
@@ -219,5 +220,5 @@ def triton_reduce_scatter_copy_in_flat(
         HAS_DIV=divide_factor != 1.0,
         WORDS=words,
         BLOCK=BLOCK,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
