@@ -6,6 +6,8 @@ the same bytes and FSDP2's torch copy::
 
     PYTHONPATH=python python tools/sweep_copy_kernels.py --device cuda [--case a --case b]
 
+(every case by default).
+
 Kernels: ``all_gather_copy_out`` (into the group's unsharded buffer),
 ``reduce_scatter_copy_in`` (from per-parameter gradients) and
 ``reduce_scatter_copy_in_flat`` (from the group's unsharded gradient buffer,
@@ -48,7 +50,7 @@ def main() -> int:
     parser.add_argument(
         "--settings",
         type=_settings,
-        default=_settings("4096:4,8192:4,4096:8,8192:8,16384:8,16384:16"),
+        default=_settings("2048:4,4096:4,8192:4,4096:8,8192:8,16384:8,16384:16"),
         help="BLOCK:NUM_WARPS pairs to time besides each kernel's own",
     )
     args = parser.parse_args()
@@ -60,7 +62,7 @@ def main() -> int:
     dtypes = Dtypes.from_names(dtype_triple(args.dtypes))
     print(f"{copy.device_name(device)}, W={args.world_size}, {dtypes}, scale {scale:g}, "
           f"median of {repeat} calls; ms, fraction of a plain copy of the same bytes")  # fmt: skip
-    for key in args.case or ["a", "b", "e"]:
+    for key in args.case or sorted(copy.CASES):
         case = make_case(key, scale)
         if not copy.divides(case, args.world_size):
             continue

@@ -139,7 +139,18 @@ class Unsharding:
         else:
             source, ag = self.sharded, None
             with streams.on(copy_in_stream):
-                if source.device != self.device:  # CPU offload
+                if self.offload_to_cpu and source.dtype == self.param_dtype:
+                    # [Note: Offloaded shards] the host shard goes straight into
+                    # this rank's row of the all-gather output, the collective's
+                    # input in place: no device copy of the shard is made. (As
+                    # the all-gather input, such a copy lived until the copy-out,
+                    # a shard above FSDP2 at the peak: FSDP2 frees its copy after
+                    # its copy-in.) Chosen by the policy, not by device, so that
+                    # CPU runs take it too.
+                    ag = self._all_gather_output()
+                    ag[info.shard_rank].copy_(source, non_blocking=True)
+                    source = ag[info.shard_rank]
+                elif source.device != self.device:  # CPU offload with a cast
                     source = source.to(self.device, non_blocking=True)
                 if source.dtype != self.param_dtype and source.dtype not in FLOAT_DTYPES:
                     # float8 under a param_dtype: the copy kernels have no float8
