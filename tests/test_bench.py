@@ -607,9 +607,20 @@ def test_sweep_copy_kernels_tool() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    argv = ["--device", "cpu", "--scale", "0.001", "--world-size", "4", "--case", "e"]
+    argv = [
+        "--device",
+        "cpu",
+        "--scale",
+        "0.001",
+        "--world-size",
+        "4",
+        "--case",
+        "a",
+        "--case",
+        "e",
+    ]
     proc = subprocess.run(
-        [sys.executable, str(tool), *argv, "--case", "c", "--settings", "1024:2,4096:8"],
+        [sys.executable, str(tool), *argv, "--case", "c", "--settings", "1024:2,1024:8"],
         env=env,
         capture_output=True,
         text=True,
@@ -617,6 +628,32 @@ def test_sweep_copy_kernels_tool() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if "BLOCK" in line]
-    # case e: copy-out only (Shard(1)); case c: copy-out and both copy-ins; 3 settings each
-    assert len(rows) == 3 * (1 + 3), proc.stdout
+    # cases a and c: copy-out and both copy-ins; case e: copy-out only (Shard(1));
+    # 3 settings each
+    assert len(rows) == 3 * (3 + 1 + 3), proc.stdout
     assert "DIFFERS" not in proc.stdout
+    # [Note: Launch settings] case a's tiles are long (16Ki elements here), case c's
+    # short; the rows come case by case in the order asked (a, e, c)
+    from fsdp_rs.kernels import (
+        _triton,
+        all_gather_copy_out,
+        reduce_scatter_copy_in,
+        reduce_scatter_copy_in_flat,
+    )
+
+    firsts = rows[::3]
+    kernels = (all_gather_copy_out, reduce_scatter_copy_in, reduce_scatter_copy_in_flat)
+    for line, module in zip(firsts[:3], kernels, strict=True):
+        assert "BLOCK {:>5} warps {:>2}".format(*module.LONG_TILES) in line, line
+    for line in firsts[4:]:
+        assert "BLOCK {:>5} warps {:>2}".format(*_triton.SMALL_TILES) in line, line
+
+
+def test_launch_setting_by_tile_length() -> None:
+    """[Note: Launch settings]: long tiles take the kernel's own setting, short ones
+    the common one; the rule reads two host ints only."""
+    from fsdp_rs.kernels._triton import LONG_TILE, SMALL_TILES, launch_setting
+
+    assert launch_setting(LONG_TILE * 5, 5, (8192, 8)) == (8192, 8)
+    assert launch_setting(LONG_TILE * 5 - 1, 5, (8192, 8)) == SMALL_TILES
+    assert launch_setting(512 * 2500, 2500, (4096, 8)) == SMALL_TILES

@@ -1,6 +1,7 @@
 """Time the copy kernels under other launch settings (issue 18's bandwidth rows):
-each kernel module's ``BLOCK`` (elements per loop step of a program) and
-``NUM_WARPS``, on ``bench copy``'s groups, timed as ``bench copy`` times
+``BLOCK`` (elements per loop step of a program) and the warps per program
+([Note: Launch settings] in ``fsdp_rs/kernels/_triton.py``), on ``bench
+copy``'s groups, timed as ``bench copy`` times
 (median of CUDA-event-timed calls, L2 flushed), next to a plain ``copy_`` of
 the same bytes and FSDP2's torch copy::
 
@@ -12,10 +13,10 @@ Kernels: ``all_gather_copy_out`` (into the group's unsharded buffer),
 ``reduce_scatter_copy_in`` (from per-parameter gradients) and
 ``reduce_scatter_copy_in_flat`` (from the group's unsharded gradient buffer,
 the runtime's usual path). Each setting's output is compared bit for bit with
-the default setting's before it is timed. The first row of each kernel is the
-setting the kernel ships with. The Triton launchers are called directly (on
-CPU under ``TRITON_INTERPRET=1``, tiny: a check of this script, whose timings
-mean nothing).
+the shipped setting's before it is timed. The first row of each kernel is the
+setting the kernel picks for the group (``launch_setting``). The Triton
+launchers are called directly (on CPU under ``TRITON_INTERPRET=1``, tiny: a
+check of this script, whose timings mean nothing).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> int:
         "--settings",
         type=_settings,
         default=_settings("2048:4,4096:4,8192:4,4096:8,8192:8,16384:8,16384:16"),
-        help="BLOCK:NUM_WARPS pairs to time besides each kernel's own",
+        help="BLOCK:WARPS pairs to time besides the one each kernel picks",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -70,12 +71,13 @@ def main() -> int:
         print(f"({key}) {case.name}")
         for name, (run, out, nbytes, torch_run) in _kernels(g).items():
             module = importlib.import_module(f"fsdp_rs.kernels.{name}")
-            own = (module.BLOCK, module.NUM_WARPS)
+            picks = module.launch_setting  # the launcher looks it up at each call
+            own = picks(g.plan.row_numel, len(g.plan.tile_param), module.LONG_TILES)
             copy_s = timer(_plain_copy(nbytes, device)).median
             torch_s = timer(torch_run).median if torch_run else None
             expected = None
             for block, warps in [own, *[s for s in args.settings if s != own]]:
-                module.BLOCK, module.NUM_WARPS = block, warps
+                module.launch_setting = lambda *_, setting=(block, warps): setting
                 try:
                     out.fill_(7)
                     run()
@@ -84,7 +86,7 @@ def main() -> int:
                     equal = torch.equal(out, expected)
                     s = timer(run).median
                 finally:
-                    module.BLOCK, module.NUM_WARPS = own
+                    module.launch_setting = picks
                 vs = f"  torch {torch_s * 1e3:.4f} ms ({torch_s / s:.2f}x)" if torch_s else ""
                 print(
                     f"  {name:<28} BLOCK {block:>5} warps {warps:>2}: {s * 1e3:8.4f} ms"

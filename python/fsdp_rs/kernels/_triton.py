@@ -33,6 +33,7 @@ __all__ = [
     "jit",
     "kernel_dtype",
     "kernel_view",
+    "launch_setting",
     "loop_bound",
     "pointer_table",
     "require_triton",
@@ -47,6 +48,32 @@ def require_triton() -> None:
             "fsdp_rs kernels need Triton, which is not installed: install the torch "
             "wheel with CUDA support (it brings Triton) or `pip install triton`"
         )
+
+
+SMALL_TILES = (2048, 4)
+"""(BLOCK, num_warps) of the tiled copies when tiles are short."""
+LONG_TILE = 16384
+"""The mean tile length (in the kernel's words) from which a launch takes its
+kernel's setting for long tiles."""
+
+
+def launch_setting(row_numel: int, num_tiles: int, long_tiles: tuple[int, int]) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a tiled copy launch.
+
+    [Note: Launch settings]
+    A program copies one tile of the planner's tile table (at most 64Ki
+    elements of one param), ``BLOCK`` elements per loop step. On an H200
+    (tools/sweep_copy_kernels.py, bench copy's groups at scale 1/4, W = 8) the
+    best setting depended on the tiles' length, not on the kernel alone: groups
+    of large params (full 64Ki tiles) ran up to 10% faster with larger steps or
+    more warps (and a Shard(1) copy-out 40% faster), while groups of small
+    params (tiles of 512 to 2048 elements) ran 2 to 4 times slower with them
+    than with 2048 x 4, the masked lanes of each step doing no copying. The
+    host knows the mean tile length without reading a table (the row's length
+    over the number of tiles), so each launch picks: ``long_tiles`` from a mean
+    of ``LONG_TILE`` words, else ``SMALL_TILES``. Any setting copies the same
+    bytes; only the speed differs."""
+    return long_tiles if row_numel >= LONG_TILE * num_tiles else SMALL_TILES
 
 
 def jit(fn: Any) -> Any:

@@ -52,6 +52,7 @@ from fsdp_rs.kernels._triton import (
     TL_DTYPES,
     jit,
     kernel_view,
+    launch_setting,
     loop_bound,
     pointer_table,
     require_triton,
@@ -65,12 +66,11 @@ __all__ = [
 ]
 
 OP = "all_gather_copy_out"
-# Elements per loop step of a program, and warps per program: on an H200
-# (W = 8, bf16, bench copy's scale 0.25) 4096 x 8 warps beat 2048 x 4 on
-# cases a, b and e: 0.167 / 0.068 / 0.104 ms against 0.171 / 0.071 / 0.146
-# (tools/sweep_copy_kernels.py, 2026-11-27).
-BLOCK = 4096
-NUM_WARPS = 8
+# Long tiles' (BLOCK, num_warps) ([Note: Launch settings] in _triton.py): on an
+# H200, 4096 x 8 against 2048 x 4 took cases a, b and e (64Ki-element tiles)
+# from 0.172 / 0.071 / 0.146 ms to 0.167 / 0.068 / 0.104, and cases c and d
+# (tiles of 512 and 2048) from 0.040 / 0.035 ms to 0.079 / 0.057.
+LONG_TILES = (4096, 8)
 
 
 def check_all_gather_copy_out(
@@ -349,6 +349,7 @@ def triton_all_gather_copy_out(
         dst_ptrs, dst_numel = pointer_table(out, all_gather_output.device, 1, out, numel * words)
     else:
         dst_ptrs = dst_numel = row_offsets  # unused
+    block, warps = launch_setting(row_numel, num_tiles, LONG_TILES)
     _copy_out_kernel[(num_tiles, world_size)](
         all_gather_output,
         out[0],
@@ -367,6 +368,6 @@ def triton_all_gather_copy_out(
         CHUNKED=chunk_numel is not None,
         DTYPE=TL_DTYPES[all_gather_output.dtype],
         WORDS=words,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        BLOCK=block,
+        num_warps=warps,
     )

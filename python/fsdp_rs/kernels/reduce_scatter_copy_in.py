@@ -60,6 +60,7 @@ from fsdp_rs.kernels._triton import (
     jit,
     kernel_dtype,
     kernel_view,
+    launch_setting,
     loop_bound,
     pointer_table,
     require_triton,
@@ -73,12 +74,10 @@ __all__ = [
 ]
 
 OP = "reduce_scatter_copy_in"
-# Elements per loop step of a program, and warps per program: on an H200
-# (W = 8, bf16 gradients into fp32, scale 0.25) 16384 x 8 warps beat 2048 x 4
-# on cases a and b: 0.239 / 0.095 ms against 0.258 / 0.100 (4096 x 4 took
-# 0.226 ms on b) (tools/sweep_copy_kernels.py, 2026-11-27).
-BLOCK = 16384
-NUM_WARPS = 8
+# Long tiles' (BLOCK, num_warps) ([Note: Launch settings] in _triton.py): on an
+# H200, 16384 x 8 against 2048 x 4 took cases a and b from 0.258 / 0.100 ms to
+# 0.238 / 0.094 (4096 x 4 took 0.113 on b), and case c from 1.28 ms to 1.55.
+LONG_TILES = (16384, 8)
 
 
 def check_reduce_scatter_copy_in(
@@ -433,6 +432,7 @@ def triton_reduce_scatter_copy_in(
     _check_sizes(grads, present, numel, mask, padded_numel, world_size)  # on the host
     grad_ptrs, grad_numel = pointer_table(grads, device, words, present, numel, mask)
     inv = f32_reciprocal(divide_factor)
+    block, warps = launch_setting(row_numel, num_tiles, LONG_TILES)
     _rs_copy_in_kernel[(num_tiles, world_size)](
         grad_ptrs,
         grad_numel,
@@ -449,7 +449,7 @@ def triton_reduce_scatter_copy_in(
         HAS_DIV=divide_factor != 1.0,
         CHUNKED=chunk_numel is not None,
         WORDS=words,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        BLOCK=block,
+        num_warps=warps,
     )
     del grads  # contiguous copies (if any) lived until the launch was queued

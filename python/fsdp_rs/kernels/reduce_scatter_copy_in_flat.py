@@ -29,6 +29,7 @@ from fsdp_rs.kernels._triton import (
     f32_reciprocal,
     jit,
     kernel_view,
+    launch_setting,
     loop_bound,
     require_triton,
     tl,
@@ -41,12 +42,10 @@ __all__ = [
 ]
 
 OP = "reduce_scatter_copy_in_flat"
-# Elements per loop step of a program, and warps per program: on an H200
-# (W = 8, bf16 gradients into fp32, scale 0.25) 8192 x 8 warps beat 2048 x 4
-# on cases a and b: 0.236 / 0.093 ms against 0.256 / 0.098
-# (tools/sweep_copy_kernels.py, 2026-11-27).
-BLOCK = 8192
-NUM_WARPS = 8
+# Long tiles' (BLOCK, num_warps) ([Note: Launch settings] in _triton.py): on an
+# H200, 8192 x 8 against 2048 x 4 took cases a and b from 0.256 / 0.099 ms to
+# 0.236 / 0.094, and cases c and d from 0.047 / 0.043 ms to 0.200 / 0.122.
+LONG_TILES = (8192, 8)
 
 
 def check_reduce_scatter_copy_in_flat(
@@ -209,6 +208,7 @@ def triton_reduce_scatter_copy_in_flat(
     grad_buffer, _ = kernel_view(grad_buffer)
     world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
     inv = f32_reciprocal(divide_factor)
+    block, warps = launch_setting(row_numel, num_tiles, LONG_TILES)
     _rs_copy_in_flat_kernel[(num_tiles, world_size)](
         grad_buffer,
         reduce_scatter_input,
@@ -223,6 +223,6 @@ def triton_reduce_scatter_copy_in_flat(
         inv,
         HAS_DIV=divide_factor != 1.0,
         WORDS=words,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        BLOCK=block,
+        num_warps=warps,
     )
