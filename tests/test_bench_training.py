@@ -108,6 +108,7 @@ OPTIM_FIELDS = (
     "flat_speedup",
     "step_torch_s",
     "step_fsdp_rs_flat_s",
+    "step_plain_s",
 )
 
 

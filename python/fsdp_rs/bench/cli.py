@@ -591,8 +591,9 @@ def _add_optim(subparsers) -> None:
         default="plain,torch,fsdp_rs,flat,step",
         help=(
             "comma-separated columns to time: plain, torch (FSDP2), fsdp_rs (per "
-            "parameter), flat, step (the whole training step, FSDP2 against flat); flat "
-            "and torch or fsdp_rs are required (default: all)"
+            "parameter), flat, step (the whole training step, FSDP2 against flat, and the "
+            "unsharded model's with plain); flat and torch or fsdp_rs are required "
+            "(default: all)"
         ),
     )
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
@@ -621,7 +622,8 @@ def _run_optim(args: argparse.Namespace) -> int:
         torch.cuda.set_device(0)
     print(f"optim: {args.optimizer}, W={args.world_size} (rank 0), {device.type}, ms per step")
     head = ("params", "plain", "FSDP2", "rs", "rs flat", "flat vs FSDP2", "step FSDP2")
-    print(" ".join(f"{h:>13s}" for h in (*head, "step rs flat", "step speedup", "equal")))
+    tail = ("step rs flat", "step speedup", "step plain", "equal")
+    print(" ".join(f"{h:>13s}" for h in (*head, *tail)))
 
     def ms(s):
         return f"{'-':>13s}" if s is None else f"{s * 1e3:13.2f}"
@@ -651,7 +653,7 @@ def _run_optim(args: argparse.Namespace) -> int:
             + " ".join(map(ms, cols))
             + f" {times(r['flat_speedup'])}{ms(r['step_torch_s'])}"
             + f" {ms(r['step_fsdp_rs_flat_s'])} {times(r['step_speedup'])}"
-            + f"{r['equal']!s:>13s}",
+            + f"{ms(r['step_plain_s'])}{r['equal']!s:>13s}",
             flush=True,
         )
         if args.json:  # after each size, for the same reason

@@ -118,6 +118,7 @@ def bench_optim(
         "optimizer": optimizer,
         "device": device.type,
         **{f"{name}_s": None for name in _MODELS.values()},
+        "step_plain_s": None,  # the unsharded model's whole step, with plain
         "step_torch_s": None,
         "step_fsdp_rs_flat_s": None,
         "step_speedup": None,
@@ -154,6 +155,8 @@ def bench_optim(
         gc.collect()
         return record
     clips = {"fsdp_rs_flat": clip_grad_norm_, "torch": torch.nn.utils.clip_grad_norm_}
+    if "plain" in models:  # the floor: the same model's own forward, backward and step
+        clips["plain"] = torch.nn.utils.clip_grad_norm_
     for name, clip in clips.items():
         model, opt = models[name], opts[name]
         opt.zero_grad()
