@@ -657,3 +657,36 @@ def test_launch_setting_by_tile_length() -> None:
     assert launch_setting(LONG_TILE * 5, 5, (8192, 8)) == (8192, 8)
     assert launch_setting(LONG_TILE * 5 - 1, 5, (8192, 8)) == SMALL_TILES
     assert launch_setting(512 * 2500, 2500, (4096, 8)) == SMALL_TILES
+
+
+def test_copy_steps_with_collectives(tmp_path: Path) -> None:
+    """--steps: the ops with their collectives on a one-rank process group (gloo
+    here; NCCL on a GPU), each step's result equal to FSDP2's sequence, in a
+    fresh interpreter (the bench starts a default process group)."""
+    env = dict(os.environ)
+    package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    out_json = tmp_path / "steps.json"
+    argv = [*TINY, "--scale", "0.001", "--world-size", "1", "--steps", "--case", "b"]
+    argv += ["--case", "e", "--dtypes", "fp32,bf16,fp32", "--json", str(out_json)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_rs.bench", "copy", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out_json.read_text())
+    steps = [(r["case"], r["op"]) for r in records if r["op"].endswith("_step")]
+    assert steps == [("b", "unshard_step"), ("b", "reduce_step")]  # none for Shard(1)
+    assert all(r["outputs_equal"] for r in records)
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "fsdp_rs.bench", "copy", *TINY, "--world-size", "2", "--steps"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "--world-size 1" in bad.stderr, bad.stderr

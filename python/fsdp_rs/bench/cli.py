@@ -261,6 +261,16 @@ def _add_copy(subparsers: argparse._SubParsersAction) -> None:
         choices=("cuda", "cpu"),
         help="device to run on (default: cuda if available, else cpu)",
     )
+    p.add_argument(
+        "--steps",
+        action="store_true",
+        help=(
+            "also time the ops with their collectives as a training step runs them "
+            "(unshard: copy-in, all-gather, copy-out; reduce: copy-in, reduce-scatter, "
+            "post-reduce) against FSDP2's, on the default process group: one rank in "
+            "this process with --world-size 1, or torchrun's ranks"
+        ),
+    )
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart of speedup per case/op (PNG)")
     p.set_defaults(run=_run_copy, parser=p)
@@ -282,6 +292,15 @@ def _run_copy(args: argparse.Namespace) -> int:
     scale = args.scale if args.scale is not None else (copy.CPU_DEFAULT_SCALE if on_cpu else 1.0)
     repeat = args.repeat or (DEFAULT_REPEAT if on_cpu else COPY_CUDA_REPEAT)
     worlds = args.world_size or [DEFAULT_WORLD_SIZE]
+    if args.steps:
+        from fsdp_rs.bench.copy_step import ensure_process_group
+
+        if len(worlds) > 1:
+            args.parser.error("--steps: one --world-size, the process group's")
+        try:
+            ensure_process_group(device, worlds[0])
+        except ValueError as e:
+            args.parser.error(str(e))
     mixes = [copy.Dtypes.from_names(d) for d in args.dtypes or [dtype_triple(COPY_DEFAULT_DTYPES)]]
     if on_cpu:
         print("CPU: the fsdp-rs ops run their plain-torch CPU impls (not the Triton kernels)")
@@ -332,7 +351,12 @@ def _copy_records(args, copy, world_size, dtypes, scale, device, repeat) -> list
             f"  ({key}) {case.name}: {len(case.shapes)} params, {case.numel:.3e} elements",
             flush=True,
         )
-        for record in copy.bench_case(case, dtypes, world_size, device, repeat):
+        ops = copy.OPS
+        if args.steps and not case.dims:  # (Shard(1) groups: the op rows only)
+            from fsdp_rs.bench.copy_step import STEPS
+
+            ops = (*ops, *STEPS)
+        for record in copy.bench_case(case, dtypes, world_size, device, repeat, ops=ops):
             if not record["outputs_equal"]:
                 print(
                     f"  MISMATCH W={world_size} case {key} {record['op']}: fsdp-rs != torch",

@@ -677,8 +677,12 @@ def bench_case(
     host_timer = _host_timer(device, repeat)
     records = []
     for op in ops:
-        builder = _ON_DIMS.get(op) if case.dims else None
-        bench = (builder or _BUILDERS[op])(group, fsdp2)
+        builder = (_ON_DIMS.get(op) if case.dims else None) or _BUILDERS.get(op)
+        if builder is None:  # --steps: the ops with their collectives
+            from fsdp_rs.bench.copy_step import STEP_BUILDERS
+
+            builder = STEP_BUILDERS[op]
+        bench = builder(group, fsdp2)
         bench.fsdp_rs()
         bench.torch()
         outputs_equal = bench.outputs_equal()
