@@ -243,6 +243,17 @@ def _fsdp2_ops() -> Any | None:
     return ops if all(hasattr(ops, n) for n in names) else None
 
 
+def fsdp2_cast_inputs(
+    inputs: list[torch.Tensor], sizes: list[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """FSDP2's all-gather inputs under mixed precision: the shards cast by one
+    ``_foreach_copy_`` into a freshly allocated ``dtype`` buffer."""
+    flat = torch.empty(sum(sizes), dtype=dtype, device=inputs[0].device)
+    sources = list(torch.split(flat, sizes))
+    torch._foreach_copy_(sources, inputs)
+    return sources
+
+
 def _foreach_copy_into_row(
     inputs: Sequence[torch.Tensor],
     output: torch.Tensor,
@@ -388,11 +399,7 @@ def _all_gather_copy_in(g: Group, fsdp2: Any | None) -> OpBench:
         g.ops.all_gather_copy_in(sharded, output, rank)
 
     def run_torch() -> None:
-        sources = inputs
-        if cast:
-            flat = torch.empty(total, dtype=d.param, device=g.device)
-            sources = list(torch.split(flat, sizes))
-            torch._foreach_copy_(sources, inputs)
+        sources = fsdp2_cast_inputs(inputs, sizes, d.param) if cast else inputs
         copy_in(sources, torch_output, sizes, total, rank)
 
     def equal() -> bool:

@@ -33,6 +33,7 @@ from fsdp_rs.bench.copy import (
     _foreach_copy_into_row,
     _same,
     _segments,
+    fsdp2_cast_inputs,
     fsdp2_divide_factors,
 )
 
@@ -88,11 +89,7 @@ def _unshard_step(g: Group, fsdp2: Any | None) -> OpBench:
         g.ops.all_gather_copy_out(ag, [unsharded], *tables)
 
     def run_torch() -> None:
-        sources = inputs
-        if cast:
-            flat = torch.empty(total, dtype=d.param, device=g.device)
-            sources = list(torch.split(flat, sizes))
-            torch._foreach_copy_(sources, inputs)
+        sources = fsdp2_cast_inputs(inputs, sizes, d.param) if cast else inputs
         copy_in(sources, torch_ag, sizes, total, rank)
         dist.all_gather_into_tensor(torch_ag, torch_ag.narrow(0, total * rank, total))
         split_copy(torch_ag.view(w, total), sizes, dim=1, out=outs)
