@@ -173,11 +173,17 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path: Path, capsys) -> None:
         report.plot_plan_times([], tmp_path / "p.png")
 
 
-def test_python_dash_m(tmp_path: Path) -> None:
-    """The documented entry point, in a fresh interpreter."""
-    env = dict(os.environ)
+def _fresh_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh interpreter that imports this fsdp_rs."""
+    env = dict(os.environ, **extra)
     package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def test_python_dash_m(tmp_path: Path) -> None:
+    """The documented entry point, in a fresh interpreter."""
+    env = _fresh_env()
     out_json = tmp_path / "out.json"
     argv = ["plan", "--params", "100", "--world-size", "3", "--repeat", "1"]
     proc = subprocess.run(
@@ -604,9 +610,7 @@ def test_sweep_copy_kernels_tool() -> None:
     times writes what the kernel's own setting writes (under the interpreter)."""
     pytest.importorskip("triton")
     tool = Path(__file__).resolve().parents[1] / "tools" / "sweep_copy_kernels.py"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env = _fresh_env(TRITON_INTERPRET="1")
     argv = [
         "--device",
         "cpu",
@@ -663,9 +667,7 @@ def test_copy_steps_with_collectives(tmp_path: Path) -> None:
     """--steps: the ops with their collectives on a one-rank process group (gloo
     here; NCCL on a GPU), each step's result equal to FSDP2's sequence, in a
     fresh interpreter (the bench starts a default process group)."""
-    env = dict(os.environ)
-    package_root = str(Path(fsdp_rs.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env = _fresh_env()
     out_json = tmp_path / "steps.json"
     argv = [*TINY, "--scale", "0.001", "--world-size", "1", "--steps", "--case", "b"]
     argv += ["--case", "e", "--dtypes", "fp32,bf16,fp32", "--json", str(out_json)]

@@ -618,10 +618,12 @@ def _timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]]
 
 
 _NO_CALL = Timing((0.0,))
-_HostTimer = Callable[[Callable[[], object], Timing], Timing]
+_HostTimer = Callable[[Callable[[], object], Timing | None], Timing]
 
 
-def _host_timer(device: torch.device, repeat: int) -> _HostTimer:
+def _host_timer(
+    device: torch.device, repeat: int, timer: Callable[[Callable[[], object]], Timing]
+) -> _HostTimer:
     """Host seconds per call.
 
     [Note: Host cost]
@@ -629,14 +631,15 @@ def _host_timer(device: torch.device, repeat: int) -> _HostTimer:
     the CPU (checks, tables, launches) while the GPU works. A per-parameter cost
     there (one Python attribute read per tensor) shows up as host time growing
     with ``n_params``. On CPU every op runs to completion in the call, so host
-    time is the op's time and the same timing serves both columns. Where the
+    time is the op's time and the same timing serves both columns (``timed``,
+    where the caller has it; else ``timer`` times the call). Where the
     runtime aliases the reduce output (``aliases``) fsdp-rs makes no call and
     both its columns are 0.
     """
     if device.type != "cuda":
-        return lambda fn, timed: timed
+        return lambda fn, timed=None: timer(fn) if timed is None else timed
 
-    def host(fn: Callable[[], object], timed: Timing) -> Timing:
+    def host(fn: Callable[[], object], timed: Timing | None = None) -> Timing:
         torch.cuda.synchronize()
         timing = time_call(fn, repeat, warmup=1, collect=False)[0]
         torch.cuda.synchronize()
@@ -681,7 +684,7 @@ def bench_case(
     group = Group.build(case, dtypes, world_size, rank, device)
     fsdp2 = _fsdp2_ops()
     timer = _timer(device, repeat)
-    host_timer = _host_timer(device, repeat)
+    host_timer = _host_timer(device, repeat, timer)
     records = []
     for op in ops:
         builder = (_ON_DIMS.get(op) if case.dims else None) or _BUILDERS.get(op)
@@ -701,9 +704,9 @@ def bench_case(
         else:
             fsdp_rs_t = timer(bench.fsdp_rs)
             fsdp_rs_host = host_timer(bench.fsdp_rs, fsdp_rs_t)
-            group.ops = torch.ops.fsdp_rs  # the same call through the dispatcher
-            dispatch_host = host_timer(bench.fsdp_rs, timer(bench.fsdp_rs))
-            group.ops = EagerOps(device)
+            eager, group.ops = group.ops, torch.ops.fsdp_rs  # through the dispatcher
+            dispatch_host = host_timer(bench.fsdp_rs)
+            group.ops = eager
         nbytes, impl, factor = bench.nbytes, bench.torch_impl, bench.divide_factor
         del bench  # free the op's buffers before the plain copy allocates its own
         copy_t = timer(_plain_copy(nbytes, device))

@@ -134,9 +134,9 @@ def bench_optim(
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        # one more untimed step: the first after the states are made still pays
-        # one-time costs on a GPU (the H200 timed flat's first two at 12.9 ms, its
-        # later ones at 4.7)
+        # one more untimed step before timing: on an H200 the two steps right after
+        # the states were made gave flat a median of 12.9 ms, where
+        # tools/profile_flat_step.py (20 steps after one) gave 4.7
         timing, _ = time_call(step, repeat, warmup=1, collect=False)
         record[f"{name}_s"] = timing.median
         if progress is not None:

@@ -210,9 +210,9 @@ def torch_all_gather_copy_out(
     # per-parameter outputs are allocated inside the graph, so a temporary here
     # would add to the step's peak).
     numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
-    _check_output_sizes(out, numel, host_table(padded_numel), world_size)
-    rows, padded = row_offsets.tolist(), padded_numel.tolist()
-    for t, r, n in zip(out, rows, padded, strict=True):
+    padded = host_table(padded_numel)
+    _check_output_sizes(out, numel, padded, world_size)
+    for t, r, n in zip(out, row_offsets.tolist(), padded.tolist(), strict=True):
         t.view(world_size, n).copy_(all_gather_output[:, r : r + n])
 
 
