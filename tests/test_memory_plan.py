@@ -82,11 +82,44 @@ def test_activation_profile_of_the_loss():
     # the weight gradients, 1000x64 + 1000 floats).
     assert 3 * logits <= got.loss <= 6 * logits + 4 * (1000 * 64 + 1000 + 8 * 64)
     # model[0] saves only the input (not counted); the ReLU after it is no block's.
-    assert got.blocks == {"0": Activations(0, 8 * 64 * 4)}
+    # Its backward holds the gradient flowing in and its weight's and bias's
+    # (the input needs none), until the backward ends.
+    assert got.blocks == {"0": Activations(0, 8 * 64 * 4, 8 * 64 * 4 + 4 * (64 * 64 + 64))}
     assert activation_profile(model, blocks, x).loss == 0
     with FakeTensorMode():
         model, x = build("cpu")
         assert activation_profile(model, [model[0]], x, loss_fn=loss_fn) == got
+
+
+def test_activation_profile_of_each_block_backward():
+    """``backward``: the most a block's backward holds at once, from the
+    gradient of its outputs to that of its inputs; the same on every torch."""
+    with torch.device("meta"):
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)]
+        )
+    x = torch.empty(8, 64, device="meta")
+    hidden, width = 8 * 256 * 4, 8 * 64 * 4  # one activation of each width
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    got = activation_profile(model, list(model), x, loss_fn=loss_fn).blocks["1"]
+    # Saved: the input (block 0's output) and the GELU's input and output.
+    assert got.saved == width + 2 * hidden and got.output == width
+    # The peak is the first Linear's backward: every weight and bias gradient,
+    # the input gradient it makes, its own saved input and the gradient it reads.
+    grads = 4 * (2 * 64 * 256 + 256 + 64)
+    assert got.backward == grads + width + width + hidden
+    for p in model.parameters():
+        p.requires_grad_(p.ndim == 1)  # LoRA's shape: matrices frozen
+    got = activation_profile(model, list(model), x, loss_fn=loss_fn).blocks["1"]
+    # Only the GELU's input is saved; the peak is the GELU's backward: its saved
+    # input, the gradient it reads and the one it makes (beside the second
+    # bias's gradient), above what the saved bytes and output alone would say.
+    assert got.saved == hidden and got.output == width
+    assert got.backward == 3 * hidden + 4 * 64
+    assert got.backward > got.saved + got.output
 
 
 def test_group_memory_reads_the_plans(mesh):
@@ -109,6 +142,17 @@ def test_group_memory_reads_the_plans(mesh):
     assert columns["post_forward_bytes"] == [0, 0, 2 * padded]
 
 
+def _reference(model: nn.Module, **inputs) -> dict[str, int]:
+    """The reference memory model on ``model``'s group columns and ``inputs``,
+    without side streams (CPU)."""
+    columns = group_memory(model)
+    del columns["fqns"], columns["kept_unsharded_bytes"]
+    required = ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")
+    required += ("reduce_scatter_input_bytes", "reduce_scatter_output_bytes")
+    args = [columns.pop(k) for k in required]
+    return reference.peak_memory(*args, side_streams=False, **columns, **inputs)
+
+
 def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     model = _mlp(layers=3)
     for block in model:
@@ -118,40 +162,49 @@ def test_predict_memory_is_the_planner_on_those_inputs(mesh):
     got = predict_memory(model, activations=acts, resident_bytes=7, accumulate=True)
     profile = ActivationProfile({"0": Activations(100, 10), "1": Activations(200, 0)}, 55)
     with_loss = predict_memory(model, activations=profile)
-    columns = group_memory(model)
-    del columns["fqns"], columns["kept_unsharded_bytes"]
-    raf = columns.pop("reshard_after_forward")
-    want = reference.peak_memory(
-        *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
-        columns.pop("reduce_scatter_input_bytes"),
-        columns.pop("reduce_scatter_output_bytes"),
-        reshard_after_forward=raf,
+    want = _reference(
+        model,
         activation_bytes=[100, 200, 300],
         output_bytes=[10, 0, 30],
         resident_bytes=7,
         accumulate=True,
-        side_streams=False,  # CPU: no side streams
-        **columns,
     )
     assert got == want
     assert got["persistent"] == 3 * (64 * 64 + 64) + 7
     # An ActivationProfile's loss bytes go to the planner's loss_bytes.
-    columns = group_memory(model)
-    del columns["fqns"], columns["reshard_after_forward"], columns["kept_unsharded_bytes"]
-    assert with_loss == reference.peak_memory(
-        *(columns.pop(k) for k in ("sharded_bytes", "all_gather_bytes", "unsharded_bytes")),
-        columns.pop("reduce_scatter_input_bytes"),
-        columns.pop("reduce_scatter_output_bytes"),
-        activation_bytes=[100, 200, 0],
-        output_bytes=[10, 0, 0],
-        loss_bytes=55,
-        side_streams=False,
-        **columns,
+    assert with_loss == _reference(
+        model, activation_bytes=[100, 200, 0], output_bytes=[10, 0, 0], loss_bytes=55
     )
+    # A block's measured backward goes to the planner's backward_bytes.
+    measured = predict_memory(model, activations={"1": Activations(200, 0, 50_000)})
+    assert measured == _reference(
+        model, activation_bytes=[0, 200, 0], backward_bytes=[0, 50_000, 0]
+    )
+    assert measured["backward"] > predict_memory(model, activations={"1": 200})["backward"]
     # Activations of the root (a fully_shard module without parameters) are
     # live for the whole step.
     more = predict_memory(model, activations={"": 1000})
     assert more["persistent"] == predict_memory(model)["persistent"] + 1000
+
+
+def test_predict_memory_of_a_group_of_several_modules(mesh):
+    """One fully_shard call over two modules: while one runs its backward the
+    other's saved bytes count too; one module not measured, none is used."""
+    model = _mlp(layers=3)
+    fully_shard([model[0], model[1]], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert group_memory(model)["fqns"] == [("",), ("0", "1")]  # the root (model[2]) first
+
+    def planner(backward: list[int]) -> dict[str, int]:
+        return _reference(model, activation_bytes=[0, 300], backward_bytes=backward)
+
+    # module 0's backward holds 100_000 (100 saved), module 1's 70_000 (200
+    # saved): the group's is its 300 saved bytes and the larger excess, 99_900.
+    both = {"0": Activations(100, 0, 100_000), "1": Activations(200, 0, 70_000)}
+    got = predict_memory(model, activations=both)
+    assert got == planner([0, 100_200])
+    assert got != planner([0, 0])
+    assert predict_memory(model, activations={**both, "1": Activations(200, 0)}) == planner([0, 0])
 
 
 def test_predict_memory_before_and_after_the_first_step_agree(mesh):

@@ -214,7 +214,7 @@ def test_rust_matches_reference_on_huge_inputs(
 @SETTINGS
 @given(
     groups=st.lists(
-        st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 11, st.booleans()),
+        st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 12, st.booleans()),
         max_size=4,
     ),
     prefetch=st.sampled_from([0, 1, 2**63 - 1]),
@@ -565,17 +565,18 @@ OPTIONAL_MEMORY_FIELDS = [
     "activation_bytes",
     "post_forward_bytes",
     "output_bytes",
+    "backward_bytes",
 ]
 
 
 def _memory_args(groups, prefetch, forward_prefetch, flags, resident, loss):
     """``peak_memory``'s arguments from per-group tuples (five required byte
-    counts, six optional ones, and reshard_after_forward) and the schedule
+    counts, seven optional ones, and reshard_after_forward) and the schedule
     (``flags``: accumulate, side streams)."""
     n = len(groups)
-    columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(11)]
+    columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(12)]
     kwargs = dict(zip(OPTIONAL_MEMORY_FIELDS, columns[5:], strict=True))
-    kwargs["reshard_after_forward"] = np.array([g[11] for g in groups], dtype=bool).reshape(n)
+    kwargs["reshard_after_forward"] = np.array([g[12] for g in groups], dtype=bool).reshape(n)
     kwargs.update(
         prefetch=prefetch,
         forward_prefetch=forward_prefetch,
@@ -589,7 +590,7 @@ def _memory_args(groups, prefetch, forward_prefetch, flags, resident, loss):
 
 @SETTINGS
 @given(
-    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 11, st.booleans()), max_size=30),
+    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 12, st.booleans()), max_size=30),
     prefetch=st.one_of(st.integers(0, 4), st.integers(0, 2**63 - 1)),
     forward_prefetch=st.integers(0, 3),
     flags=st.tuples(st.booleans(), st.booleans()),
@@ -650,12 +651,26 @@ def _example(**kwargs):
         # forward g=1 40 + 160 + 160 + 240 prefetched; backward g=1 computing 40 + 80
         # + 160 + 160 + 480 + 60.
         ({"post_forward_bytes": [40, 40, 40], "forward_prefetch": 1}, (60, 600, 980)),
+        # g=1's backward measured to hold 500 at once (a transient above its
+        # gradients): computing g=1 is 80 in flight + 160 + 500 + 480 + 60.
+        ({"backward_bytes": [0, 500, 0]}, (60, 480, 1280)),
+        # measured below its own gradients (160): they still count.
+        ({"backward_bytes": [0, 100, 0]}, (60, 480, 940)),
     ],
-    ids=["side-streams", "no-side-streams", "activations", "accumulate", "loss", "post-forward"],
+    ids=[
+        "side-streams",
+        "no-side-streams",
+        "activations",
+        "accumulate",
+        "loss",
+        "post-forward",
+        "backward-measured",
+        "backward-below-gradients",
+    ],
 )
 def test_peak_memory_worked_examples(planner, kwargs, want):
     args, kwargs = _example(**kwargs)
-    for key in ("activation_bytes", "output_bytes", "post_forward_bytes"):
+    for key in ("activation_bytes", "output_bytes", "post_forward_bytes", "backward_bytes"):
         if key in kwargs:
             kwargs[key] = np.array(kwargs[key], dtype=np.int64)
     if isinstance(kwargs.get("reshard_after_forward"), list):

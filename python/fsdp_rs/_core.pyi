@@ -202,6 +202,7 @@ def peak_memory(
     activation_bytes: Int64Array | None = None,
     post_forward_bytes: Int64Array | None = None,
     output_bytes: Int64Array | None = None,
+    backward_bytes: Int64Array | None = None,
     resident_bytes: int = 0,
     loss_bytes: int = 0,
     accumulate: bool = False,

@@ -444,6 +444,7 @@ def peak_memory(
     activation_bytes: Any = None,
     post_forward_bytes: Any = None,
     output_bytes: Any = None,
+    backward_bytes: Any = None,
     resident_bytes: int = 0,
     loss_bytes: int = 0,
     accumulate: bool = False,
@@ -476,6 +477,7 @@ def peak_memory(
         ("activation_bytes", activation_bytes),
         ("post_forward_bytes", post_forward_bytes),
         ("output_bytes", output_bytes),
+        ("backward_bytes", backward_bytes),
     ):
         given_or(name, given, [0] * n)
     counts = {
@@ -518,10 +520,11 @@ def peak_memory(
     rs_in, rs_out = arrays["reduce_scatter_input_bytes"], arrays["reduce_scatter_output_bytes"]
     grad, ugrad = arrays["gradient_bytes"], arrays["unsharded_gradient_bytes"]
     acc = arrays["accumulated_gradient_bytes"]
-    act, post, out = (
+    act, post, out, measured = (
         arrays["activation_bytes"],
         arrays["post_forward_bytes"],
         arrays["output_bytes"],
+        arrays["backward_bytes"],
     )
     held = [post[g] if resharded[g] else unsh[g] for g in range(n)]  # forward to backward
 
@@ -560,17 +563,24 @@ def peak_memory(
         reducing = acc[g] if accumulate else ugrad[g]
         # the gradient flowing in (the size of this group's output) and out
         flowing = out[g] + (out[g - 1] if g else 0)
+        # what this group's backward holds besides its parameters: as measured
+        # (at least its gradients and the one flowing out), else its
+        # activations, gradients and those flowing
+        if measured[g]:
+            holds = max(measured[g], ugrad[g] + (out[g - 1] if g else 0))
+        else:
+            holds = act[g] + ugrad[g] + flowing
         moments = [
             # computing this group's gradients, synchronized step
             live_acts
+            - act[g]
             + earlier
             + unsh[g]
-            + ugrad[g]
+            + holds
             + in_flight
             + previous_rs
             + reduced
-            + synced_acc
-            + flowing,
+            + synced_acc,
             # reducing them: this group resharded, the last reduce-scatter input
             # freed; the gradients are dropped after the copy-in, before the output
             live_acts
@@ -585,9 +595,7 @@ def peak_memory(
             - out[g],
         ]
         if accumulate:  # a micro-step without synchronization: nothing reduced yet
-            moments.append(
-                live_acts + earlier + unsh[g] + ugrad[g] + in_flight + accumulated + flowing
-            )
+            moments.append(live_acts - act[g] + earlier + unsh[g] + holds + in_flight + accumulated)
         backward = max(backward, *moments)
     persistent = total(sharded, range(n)) + resident
     peak = persistent + max(forward, backward)

@@ -27,10 +27,15 @@ __all__ = ["ActivationProfile", "Activations", "activation_profile"]
 class Activations(NamedTuple):
     """What one block's forward leaves for backward: ``saved``, the bytes
     autograd saves until the block's backward; ``output``, the bytes of its
-    outputs that require grad (the gradient flowing into its backward)."""
+    outputs that require grad (the gradient flowing into its backward).
+    ``backward``: the most its backward holds at once (its saved bytes, the
+    gradient flowing in, its parameters' gradients as autograd makes them, its
+    inputs' gradients and the transients between: a GELU's input gradient
+    beside its output's); 0 when not measured."""
 
     saved: int
     output: int
+    backward: int = 0
 
 
 class ActivationProfile(NamedTuple):
@@ -46,23 +51,41 @@ def _storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
+def _needs_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def _grad_bytes(output: Any) -> int:
-    return sum(
-        t.nbytes for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-    )
+    return sum(t.nbytes for t in _needs_grad(output))
 
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops create while it is active, as they live: the
-    current sum and its peak since ``restart``."""
+    current sum, its peak since ``restart``, and the peak of the open
+    ``window`` (one at a time) above the base it was opened with."""
 
     def __init__(self) -> None:
         super().__init__()
         self.current = self.peak = 0
         self._live: set[int] = set()
+        self.window: list = []  # [name, base, peak] while open
 
     def restart(self) -> None:
         self.peak = self.current
+
+    def open(self, name: str, base: int) -> tuple[str, int] | None:
+        """Open a window for ``name``; returns the one it closes, if any."""
+        closed = self.close()
+        self.window = [name, base, self.current]
+        return closed
+
+    def close(self) -> tuple[str, int] | None:
+        """Close the open window: its name and its peak above its base."""
+        if not self.window:
+            return None
+        name, base, peak = self.window
+        self.window = []
+        return name, peak - base
 
     def _free(self, key: int, nbytes: int) -> None:
         self._live.discard(key)
@@ -78,6 +101,8 @@ class _LiveBytes(TorchDispatchMode):
                     self._live.add(key)
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
+                    if self.window:
+                        self.window[2] = max(self.window[2], self.current)
                     weakref.finalize(storage, self._free, key, storage.nbytes())
         return out
 
@@ -96,8 +121,11 @@ def activation_profile(
     innermost block running when it is first saved (it lives until that
     block's backward, the last to use it); parameters, buffers and inputs do
     not count. With ``loss_fn`` (called on the outputs; a scalar), the loss
-    and the backward are run too, and ``loss`` is the peak from the outputs
-    to the start of the first block's backward. Build ``module`` and the inputs
+    and the backward are run too: ``loss`` is the peak from the outputs to the
+    start of the first block's backward, and each block's ``backward`` the
+    peak from the gradient of its outputs to that of its inputs (or to the
+    next block's backward) above what was live before less its ``saved`` and
+    ``output`` bytes. Build ``module`` and the inputs
     under ``FakeTensorMode`` (in the compute dtype of a mixed-precision policy)
     so that nothing is allocated."""
     name_of = {id(m): name for name, m in module.named_modules()}
@@ -119,9 +147,36 @@ def activation_profile(
             out[name] = out[name]._replace(saved=out[name].saved + t.untyped_storage().nbytes())
         return t
 
-    def enter(name: str) -> Callable:
-        def hook(*unused: Any) -> None:
+    def record(closed: tuple[str, int] | None) -> None:
+        if closed is not None:
+            name, peak = closed
+            out[name] = out[name]._replace(backward=max(out[name].backward, peak))
+
+    def started(name: str) -> Callable:
+        # the gradient of one of the block's outputs: its backward begins
+        def hook(grad: torch.Tensor) -> None:
+            if loss_peak[0] is None:
+                loss_peak[0] = live.peak
+            if live.window[:1] != [name]:
+                base = live.current - out[name].saved - out[name].output
+                record(live.open(name, base))
+
+        return hook
+
+    def finished(name: str) -> Callable:
+        # the gradient of one of the block's inputs: its backward is over
+        def hook(grad: torch.Tensor) -> None:
+            if live.window[:1] == [name]:
+                record(live.close())
+
+        return hook
+
+    def enter(name: str, block: nn.Module) -> Callable:
+        def hook(unused: nn.Module, args: Any) -> None:
             active.append(name)
+            if loss_fn is not None and block is not module and torch.is_grad_enabled():
+                for t in _needs_grad(args):
+                    t.register_hook(finished(name))
 
         return hook
 
@@ -129,18 +184,13 @@ def activation_profile(
         name = active.pop()
         out[name] = out[name]._replace(output=out[name].output + _grad_bytes(output))
         if loss_fn is not None and block is not module and torch.is_grad_enabled():
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(mark)
-
-    def mark(grad: torch.Tensor) -> None:
-        if loss_peak[0] is None:
-            loss_peak[0] = live.peak
+            for t in _needs_grad(output):
+                t.register_hook(started(name))
 
     with contextlib.ExitStack() as stack:
         for b in blocks:
             name = name_of[id(b)]
-            stack.callback(b.register_forward_pre_hook(enter(name)).remove)
+            stack.callback(b.register_forward_pre_hook(enter(name, b)).remove)
             stack.callback(b.register_forward_hook(leave).remove)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
             outputs = module(*args, **kwargs)
@@ -150,6 +200,7 @@ def activation_profile(
             live.restart()
             start = live.current
             loss_fn(outputs).backward()
+            record(live.close())
             peak = live.peak if loss_peak[0] is None else loss_peak[0]
     # The outputs were live at the start, and count unless a block saved them.
     unsaved = [

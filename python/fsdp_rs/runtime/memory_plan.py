@@ -139,7 +139,9 @@ def predict_memory(
 
     ``activations``: an ``activation_profile`` of the model, or its ``blocks``
     alone: per fully_shard module, keyed by module name, what its forward
-    leaves for backward (an int is saved bytes alone). A name that is not a
+    leaves for backward and the most its backward holds (an int is saved
+    bytes alone; without ``backward`` bytes the model adds up the saved
+    bytes, the gradients and those flowing in and out). A name that is not a
     fully_shard module raises ValueError; the activations of a fully_shard
     module without parameters of its own count as live for the whole step.
 
@@ -161,6 +163,9 @@ def predict_memory(
     raf = columns.pop("reshard_after_forward")
     kept = sum(columns.pop("kept_unsharded_bytes"))  # set_keep_unsharded_storage
     saved, outputs = [0] * len(fqns), [0] * len(fqns)
+    # per group, each module's measured backward above its own saved bytes
+    # (None: one was not measured)
+    above: list[list[int] | None] = [[] for _ in fqns]
     extra = loss = 0
     if isinstance(activations, ActivationProfile):
         activations, loss = activations.blocks, activations.loss
@@ -176,6 +181,11 @@ def predict_memory(
         if name in index:
             saved[index[name]] += block.saved
             outputs[index[name]] += block.output
+            g = index[name]
+            if block.backward and above[g] is not None:
+                above[g].append(block.backward - block.saved)
+            else:
+                above[g] = None
         elif name in sharded_modules:
             extra += block.saved
         else:
@@ -184,6 +194,9 @@ def predict_memory(
                 f"{type(module).__name__}: key it by the names of the modules fully_shard "
                 "was called on (activation_profile does)"
             )
+    # A group of several modules: while one runs its backward, the others'
+    # saved bytes are still live (or already freed: counted, to be safe).
+    backward = [saved[g] + max(a) if a else 0 for g, a in enumerate(above)]
     arrays = {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()}
     return peak_memory(
         arrays.pop("sharded_bytes"),
@@ -195,6 +208,7 @@ def predict_memory(
         reshard_after_forward=np.asarray(raf, dtype=bool),
         activation_bytes=np.asarray(saved, dtype=np.int64),
         output_bytes=np.asarray(outputs, dtype=np.int64),
+        backward_bytes=np.asarray(backward, dtype=np.int64),
         resident_bytes=resident_bytes + extra + kept,
         loss_bytes=loss,
         accumulate=accumulate,

@@ -34,7 +34,12 @@
 //! - the all-gather buffers of the `prefetch` groups before `g` that reshard
 //!   (in flight), and the gradient flowing in and out (`g`'s output and its
 //!   predecessor's);
-//! - computing: `g`'s unsharded parameters and gradients, plus the previous
+//! - computing: `g`'s unsharded parameters and what its backward holds: its
+//!   activations, the gradient flowing in and out and its unsharded gradients
+//!   or, where `activation_profile` measured it (`backward`), the most its
+//!   backward held at once, which also sees the transients between its ops (a
+//!   GELU's input gradient beside its output's) and the gradients as they
+//!   appear, but no less than all its gradients and the one flowing out; plus the previous
 //!   group's reduce-scatter input, which FSDP2 frees only when `g` reduces
 //!   (with side streams); without them it is freed after its collective, and a
 //!   group whose gradients fit there gathers them into a buffer in its place
@@ -72,6 +77,9 @@ pub struct GroupBytes<'a> {
     pub post_forward: &'a [i64],
     /// The group's outputs (the size of the gradient flowing into its backward).
     pub output: &'a [i64],
+    /// The most the group's backward holds at once, measured (0: not measured;
+    /// see the note).
+    pub backward: &'a [i64],
 }
 
 /// How the step runs.
@@ -140,6 +148,7 @@ fn check(groups: &GroupBytes<'_>, schedule: &Schedule<'_>) -> Result<()> {
         ("activation_bytes", groups.activation),
         ("post_forward_bytes", groups.post_forward),
         ("output_bytes", groups.output),
+        ("backward_bytes", groups.backward),
     ];
     for (name, values) in named {
         if values.len() != count {
@@ -240,14 +249,21 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
             (0, ugrad)
         };
         let flowing_out = if g > 0 { at(groups.output, g - 1) } else { 0 };
-        let base = acts[g] + held[g] + in_flight + flowing_out;
-        // `g`'s backward under way: its activations, output, parameters, gradients
-        let own = at(groups.activation, g) + at(groups.output, g) + at(groups.unsharded, g) + ugrad;
+        let base = acts[g] + held[g] + in_flight;
+        // `g`'s backward under way: its parameters and what its backward holds
+        let measured = at(groups.backward, g);
+        let holds = if measured > 0 {
+            measured.max(ugrad + flowing_out)
+        } else {
+            at(groups.activation, g) + at(groups.output, g) + ugrad + flowing_out
+        };
+        let own = at(groups.unsharded, g) + holds;
         // accumulating, `g`'s earlier gradients are live beside the fresh ones
         let own_acc = if accumulate { reduced_now } else { 0 };
         let computing = base + own + previous_rs + reduced + earlier_acc + own_acc;
         // The gradients are dropped after the copy-in, before the output exists.
         let reducing = base
+            + flowing_out
             + at(groups.reduce_scatter_input, g)
             + reduced_now.max(at(groups.reduce_scatter_output, g))
             + reduced
@@ -285,6 +301,7 @@ mod tests {
             activation,
             post_forward: &NONE,
             output,
+            backward: &NONE,
         }
     }
 
@@ -318,6 +335,18 @@ mod tests {
         let m = peak_memory(groups(&grads, &NONE, &NONE), schedule(&[true; 3], false)).unwrap();
         assert_eq!(m.forward, 480);
         assert_eq!(m.backward, 880);
+        // g=1's backward measured to hold 500 at once: computing g=1 is 80 in
+        // flight + 160 + 500 + 480 + 60; measured below its gradients (160),
+        // they still count.
+        for (measured, want) in [(500, 1280), (100, 940)] {
+            let backward = [0, measured, 0];
+            let g = GroupBytes {
+                backward: &backward,
+                ..groups(&grads, &NONE, &NONE)
+            };
+            let m = peak_memory(g, schedule(&[true; 3], true)).unwrap();
+            assert_eq!(m.backward, want);
+        }
     }
 
     #[test]
@@ -424,6 +453,7 @@ mod tests {
             activation: e,
             post_forward: e,
             output: e,
+            backward: e,
         };
         let m = peak_memory(empty, schedule(&[], true)).unwrap();
         assert_eq!((m.persistent, m.forward, m.backward, m.peak), (0, 0, 0, 0));

@@ -80,6 +80,7 @@ fn plan_flat(
     reduce_scatter_output_bytes, *, prefetch = 1, forward_prefetch = 0,
     reshard_after_forward = None, gradient_bytes = None, unsharded_gradient_bytes = None,
     accumulated_gradient_bytes = None, activation_bytes = None, post_forward_bytes = None, output_bytes = None,
+    backward_bytes = None,
     resident_bytes = 0, loss_bytes = 0, accumulate = false, side_streams = true,
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -99,6 +100,7 @@ fn peak_memory<'py>(
     activation_bytes: Option<&Bound<'py, PyAny>>,
     post_forward_bytes: Option<&Bound<'py, PyAny>>,
     output_bytes: Option<&Bound<'py, PyAny>>,
+    backward_bytes: Option<&Bound<'py, PyAny>>,
     resident_bytes: i64,
     loss_bytes: i64,
     accumulate: bool,
@@ -129,6 +131,7 @@ fn peak_memory<'py>(
     let activation = or(activation_bytes, "activation_bytes", &zeros)?;
     let post_forward = or(post_forward_bytes, "post_forward_bytes", &zeros)?;
     let output = or(output_bytes, "output_bytes", &zeros)?;
+    let backward = or(backward_bytes, "backward_bytes", &zeros)?;
     let reshard = match reshard_after_forward {
         None => vec![true; n],
         Some(obj) => bool_vec(obj, n, "reshard_after_forward")?,
@@ -145,6 +148,7 @@ fn peak_memory<'py>(
         activation: &activation,
         post_forward: &post_forward,
         output: &output,
+        backward: &backward,
     };
     let schedule = planner::Schedule {
         prefetch,
