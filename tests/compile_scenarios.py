@@ -180,6 +180,10 @@ def sharded_model(
         kwargs["shard_placement_fn"] = lambda p: (
             Shard(1) if p.ndim == 2 and p.shape[1] % world_size == 0 else None
         )
+    if spec.get("frozen"):  # LoRA's shape: the blocks' matrices frozen
+        for block in model.blocks:
+            for p in block.parameters():
+                p.requires_grad_(p.ndim < 2)
     blocks = list(model.blocks)
     if spec.get("multi"):  # the last block and the final norm in one call
         fs([blocks.pop(), model.norm], **kwargs)

@@ -31,8 +31,9 @@ STEPS = 5
 # both synced; ``hsdp``: a (2, W / 2) mesh of replicas and shards; ``shard1``:
 # the matrices sharded on dim 1 (shard_placement_fn); ``flat``: fsdp_rs's
 # FlatOptimizer(AdamW) with weight decay, not SGD; ``offload``: CPUOffloadPolicy;
-# ``multi``: the last block and the final norm sharded by one fully_shard call. The rest as in
-# compile_scenarios.BASE.
+# ``multi``: the last block and the final norm sharded by one fully_shard call;
+# ``frozen``: the blocks' matrices frozen, their biases and norms trained. The
+# rest as in compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
     "how": "model",
@@ -44,6 +45,7 @@ FULLGRAPH_BASE = {
     "flat": False,
     "offload": False,
     "multi": False,
+    "frozen": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -76,6 +78,17 @@ _CONFIGS = {
     # CPUOffloadPolicy (on CPU the copies to and from the device are no-ops;
     # test_fullgraph_offload_cuda runs them on a GPU), bf16 params
     "aot_eager_offload_bf16": {"backend": "aot_eager", "offload": True, "bf16": True},
+    # frozen and trained parameters in one group: no gradient for the frozen
+    # ones, the trained ones reduced in the gradient layout (also sharded on
+    # dim 1, bf16)
+    "aot_eager_frozen": {"backend": "aot_eager", "frozen": True},
+    "aot_eager_frozen_shard1_bf16_noraf": {
+        "backend": "aot_eager",
+        "frozen": True,
+        "shard1": True,
+        "bf16": True,
+        "raf": False,
+    },
     "inductor_raf": {"backend": "inductor"},
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }

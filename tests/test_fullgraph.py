@@ -154,6 +154,8 @@ def _check_parity(results: list[dict], name: str) -> None:
         # a parameter nothing used keeps no gradient, as in eager
         if spec["spare"]:
             assert eager["no_grad"] == ["spare", "blocks.0.spare"], eager["no_grad"]
+        if spec["frozen"]:  # the blocks' matrices
+            assert len(eager["no_grad"]) == 4 * LAYERS, eager["no_grad"]
         assert compiled["no_grad"] == eager["no_grad"], (rank, compiled["no_grad"])
         if spec["backend"] == "inductor":
             tol = INDUCTOR_TOLERANCE[spec["bf16"]]
@@ -182,8 +184,11 @@ def _check_listing(results: list[dict], name: str, world_size: int) -> None:
     backward = [op for g in graphs if g["kind"] == "backward" for op in g["ops"]]
     # with shard1, each fully_shard call has two groups: dim 1's and dim 0's
     groups = GROUPS * (2 if spec["shard1"] else 1)
+    # frozen and sharded on dim 1, a block's dim-1 group holds its (frozen)
+    # matrices alone: nothing to reduce
+    reduced = groups - (LAYERS if spec["frozen"] and spec["shard1"] else 0)
     assert _count(forward, gather) == groups, forward
-    assert _count(backward, reduce) == groups, backward
+    assert _count(backward, reduce) == reduced, backward
     regathers = _count(backward, gather)
     assert regathers == (groups if spec["raf"] else 0), backward
     # Resharding after forward, the forward graph saves no unsharded parameter
@@ -342,6 +347,45 @@ def test_fullgraph_eager_calls_stay_eager(one_gloo_rank):
         runs.append((losses, grads))
     assert runs[0][0] == runs[1][0]
     assert all(map(torch.equal, runs[0][1], runs[1][1]))
+
+
+def test_fullgraph_computes_no_gradient_for_frozen_parameters(one_gloo_rank):
+    """Frozen weights beside trained biases in each group: the backward graph
+    computes no gradient for the frozen weights (one matmul, the second
+    layer's input gradient, against three with every weight trained), and
+    they get none. Freezing another parameter after set_fullgraph_compile()
+    makes fullgraph=True name the change."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fsdp_rs import fully_shard
+
+    def backward_matmuls(frozen: bool) -> tuple[int, list[bool]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            layer.weight.requires_grad_(not frozen)
+            fully_shard(layer)
+        fully_shard(model)
+        counts = []
+
+        def backward(gm, example_inputs):
+            ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            counts.append(sum("mm" in op for op in ops))
+            return gm
+
+        torch._dynamo.reset()
+        model.set_fullgraph_compile()
+        backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward)
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        run(torch.randn(4, 8)).sum().backward()
+        if frozen:
+            model[0].bias.requires_grad_(False)
+            with pytest.raises(torch._dynamo.exc.Unsupported, match="requires_grad changed"):
+                run(torch.randn(4, 8))
+        return counts, [p.grad is None for p in model.parameters()]
+
+    assert backward_matmuls(False) == ([3], [False] * 4)
+    assert backward_matmuls(True) == ([1], [True, False, True, False])
 
 
 def test_fullgraph_casts_float_inputs(one_gloo_rank):

@@ -75,18 +75,27 @@ def unshard_copy_out(
     replicate_group_name: str,
     all_reduce_op: str,
     chunk_numel: torch.Tensor | None,
+    trained: list[int],
+    grad_tables: list[torch.Tensor],
+    grad_row_numel: int,
+    grad_chunk_numel: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
     back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
     numel); ``padded_numels``: ``padded_numel`` on the host, so that the
-    outputs are allocated without reading a device table. ``sharded``: the
-    group's sharded local tensors (views of its row at ``sharded_offsets``, of
-    ``sharded_numels`` elements), which take the gradient; the rest configures
+    outputs are allocated without reading a device table. ``trained``: the
+    parameters that take gradients (indices into the outputs; the others'
+    outputs do not require grad), and ``sharded`` their sharded local tensors,
+    which take the gradient: views of a row of ``grad_row_numel`` elements
+    laid out as ``grad_tables`` say (``reduce_scatter_copy_in``'s tables of
+    the group's gradient layout, [Note: Gradient layout]) at
+    ``sharded_offsets``, of ``sharded_numels`` elements. The rest configures
     the reduction (``group_name``: the shard process group, ``reduce_op``:
     ``"sum"`` or ``"avg"``; ``replicate_group_name``: the replicas' process
-    group, "" without, and ``all_reduce_op`` its op). ``chunk_numel``: for a
-    group sharded on a dim other than 0, the copies' table of chunk lengths
-    ([Note: Sharding on another dim]); None on dim 0.
+    group, "" without, and ``all_reduce_op`` its op). ``chunk_numel`` and
+    ``grad_chunk_numel``: for a group sharded on a dim other than 0, the
+    copies' tables of chunk lengths ([Note: Sharding on another dim]) of the
+    parameters and of the gradient layout; None on dim 0.
 
     [Note: This rank's numels in the graph]
     ``sharded_numels`` is checked here, and it is also what keeps the graphs of
@@ -136,10 +145,15 @@ def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ag, sharded, row_offsets, _, padded_numel, *tiles = inputs[:8]
-    ctx.tables = (row_offsets, padded_numel, *tiles)  # reduce_scatter_copy_in's
-    ctx.rows, ctx.row_numel = ag.shape
+    ag, sharded = inputs[:2]
+    ctx.trained, grad_tables, ctx.row_numel, ctx.chunk_numel = inputs[21:]
+    ctx.tables = tuple(grad_tables)  # reduce_scatter_copy_in's
+    ctx.rows = ag.shape[0]
     ctx.device = ag.device
+    trained = set(ctx.trained)
+    frozen = [out for i, out in enumerate(output) if i not in trained]
+    if frozen:  # no gradient computed for what is not trained
+        ctx.mark_non_differentiable(*frozen)
     ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
     # where the gradients go: the host under CPU offload
     ctx.shard_device = sharded[0].device if sharded else ag.device
@@ -157,14 +171,15 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.reduce_dtype,
         ctx.replicate_group_name,
         ctx.all_reduce_op,
-        ctx.chunk_numel,
-    ) = inputs[8:]
+        _,
+    ) = inputs[8:21]
     # the process groups the reduction runs a collective over (none on one rank)
     shard_group = ctx.group_name if ctx.rows > 1 else ""
     ctx.reduce_groups = [name for name in (shard_group, ctx.replicate_group_name) if name]
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
+    grads = [grads[i] for i in ctx.trained]
     used = [g is not None for g in grads]
     rs_in = torch.empty((ctx.rows, ctx.row_numel), dtype=ctx.reduce_dtype, device=ctx.device)
     if ctx.chunk_numel is not None:  # each viewed as planned: (W, numel / W)
@@ -192,7 +207,8 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
         row.as_strided(shape, stride, offset) if u else None
         for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
     ]
-    return (None, sharded, *([None] * 19))
+    # (grad_tables is a list: its gradients too)
+    return (None, sharded, *([None] * 20), [None] * len(ctx.tables), None, None)
 
 
 def _check_used(used: list[bool], ctx) -> None:

@@ -45,20 +45,24 @@ Supported: FSDP and HSDP meshes (the replicas' all-reduce in the backward
 graph too); floating-point groups sharded on any dim ([Note: Sharding on
 another dim]: the copies take the group's chunk table); CPU offload (the shard
 copied to the device before the all-gather, the reduced gradient back to the
-host before the post-reduce, as in eager); every parameter of a group
-trainable or none; DTensor parameters of tensor or expert parallelism (the
-unsharded local tensors wrapped by ``DTensor.from_local`` with the parameters'
-own specs, whose backward brings a gradient to those placements as the eager
-post-backward does), but not ``dp_mesh_dims``, spmd_types annotations, or a
-TP partial gradient that eager sums in a wider dtype ([Note: Gradients under
-trace are in the parameter dtype]); several modules in one ``fully_shard``
-call (the first module's pre-forward gathers, the others reuse what it
-registered: one reduction, as in eager), except at the root.
-``set_fullgraph_compile`` refuses the rest with the group named. Flags that can
-change later and that this path does not follow (no gradient sync, the
+host before the post-reduce, as in eager); frozen parameters beside trained
+ones in a group (LoRA's shape: their unsharded parameters do not require grad,
+so no gradient is computed for them, and the trained ones are reduced in the
+group's gradient layout, as in eager); DTensor parameters of tensor or expert
+parallelism (the unsharded local tensors wrapped by ``DTensor.from_local``
+with the parameters' own specs, whose backward brings a gradient to those
+placements as the eager post-backward does), but not ``dp_mesh_dims``,
+spmd_types annotations, or a TP partial gradient that eager sums in a wider
+dtype ([Note: Gradients under trace are in the parameter dtype]); several
+modules in one ``fully_shard`` call (the first module's pre-forward gathers,
+the others reuse what it registered: one reduction, as in eager), except at
+the root.
+``set_fullgraph_compile`` refuses the rest with the group named. Flags that
+can change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
-unsharded by hand) make the hooks run eager under compile: a graph break with
-the reason, or under ``fullgraph=True`` an error that names it.
+unsharded by hand, a ``requires_grad`` changed) make the hooks run eager under
+compile: a graph break with the reason, or under ``fullgraph=True`` an error
+that names it.
 """
 
 from __future__ import annotations
@@ -112,14 +116,27 @@ class TracedGroup:
         self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
         self.ranks = [len(s) for s in shapes]
         self.padded_numels = group.plan.padded_sharded_numel.tolist()
-        self.row_offsets = list(group.layout.row_offsets)
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
         # [Note: DTensor parameters] the unsharded parameters' own specs (TP / EP)
         nd = group.nd or [None] * len(shapes)
         self.specs = [None if d is None else d.unsharded_spec(group.param_dtype) for d in nd]
         # sharded on another dim: the copies' chunk table (made here, eagerly)
-        self.chunk_numel = group._chunks(None) if isinstance(group, ShardDimGroup) else None
+        shard_dim = isinstance(group, ShardDimGroup)
+        self.chunk_numel = group._chunks(None) if shard_dim else None
+        # [Note: Gradient layout] the trained parameters' reduction: read from
+        # the sharded parameters now, as the eager unshard reads them
+        self.trains = [p.requires_grad for p in group.sharded_params]
+        self.trained = [i for i, t in enumerate(self.trains) if t]
+        grad_layout, index = group.layout, None
+        if 0 < len(self.trained) < len(self.trains):
+            grad_layout = group._layout_of(tuple(group.shapes[i] for i in self.trained))
+            index = self.trained
+        self.grad_tables = list(grad_layout.tables.reduce_scatter_args())
+        self.grad_row_numel = grad_layout.plan.row_numel
+        self.grad_offsets = list(grad_layout.row_offsets)
+        self.grad_numels = [self.local_numels[i] for i in self.trained]
+        self.grad_chunk_numel = group._chunks(index) if shard_dim else None
         # (module, name, parameter index) of every registration slot
         owner = {id(m._parameters): m for module in modules for m in module.modules()}
         managed = group.managed
@@ -181,7 +198,8 @@ def _static_reason(state, group) -> str | None:
 _REASONS = {
     "root": "the root fully_shard module's hooks run eager (compile the root module, "
     "after model.set_fullgraph_compile(); a nested module compiled alone runs them eager)",
-    "frozen": "a group has both trainable and frozen parameters",
+    "requires_grad": "a parameter's requires_grad changed since set_fullgraph_compile(): call it "
+    "again",
     "no_sync": "gradient sync is off (set_requires_gradient_sync(False))",
     "comm": "a group has an all-reduce hook, custom comms or a separate reduce-scatter group",
     "unsharded": "a group was unsharded by hand (module.unshard()) and not resharded",
@@ -249,9 +267,8 @@ def _why_not_groups(per_state) -> str | None:
             group = traced.group
             if traced.layout is not group.layout:
                 return "replanned"
-            trains = [p.requires_grad for p in group.sharded_params]
-            if any(trains) and not all(trains):
-                return "frozen"
+            if [p.requires_grad for p in group.sharded_params] != traced.trains:
+                return "requires_grad"
             if not group.reduce_grads:
                 return "no_sync"
             if group.info.replicate_group is not None and not group.all_reduce_grads:
@@ -305,8 +322,8 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.dims,
         traced.ranks,
         traced.padded_numels,
-        traced.row_offsets,
-        traced.local_numels,
+        traced.grad_offsets,
+        traced.grad_numels,
         traced.group_name,
         traced.reduce_op,
         traced.pre_divide,
@@ -315,6 +332,10 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.replicate_name,
         traced.all_reduce_op,
         traced.chunk_numel,
+        traced.trained,
+        traced.grad_tables,
+        traced.grad_row_numel,
+        traced.grad_chunk_numel,
     )
     return list(unsharded)
 
@@ -354,7 +375,7 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
         return registered
-    local = [_local_of(p) for p in group.sharded_params]
+    local = [_local_of(group.sharded_params[i]) for i in traced.trained]
     if group.reshard_after_forward is not False and torch.is_grad_enabled():
         views = checkpoint(
             _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
