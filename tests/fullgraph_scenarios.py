@@ -90,6 +90,7 @@ _CONFIGS = {
         "raf": False,
     },
     "inductor_raf": {"backend": "inductor"},
+    "inductor_frozen_bf16": {"backend": "inductor", "frozen": True, "bf16": True},  # LoRA's
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
 }
 SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}
