@@ -79,9 +79,15 @@ _CONFIGS = {
     # test_fullgraph_offload_cuda runs them on a GPU), bf16 params
     "aot_eager_offload_bf16": {"backend": "aot_eager", "offload": True, "bf16": True},
     # frozen and trained parameters in one group: no gradient for the frozen
-    # ones, the trained ones reduced in the gradient layout (also sharded on
-    # dim 1, bf16)
+    # ones, the trained ones reduced in the gradient layout (also with HSDP and
+    # CPU offload, and sharded on dim 1 in bf16)
     "aot_eager_frozen": {"backend": "aot_eager", "frozen": True},
+    "aot_eager_frozen_hsdp_offload": {
+        "backend": "aot_eager",
+        "frozen": True,
+        "hsdp": True,
+        "offload": True,
+    },
     "aot_eager_frozen_shard1_bf16_noraf": {
         "backend": "aot_eager",
         "frozen": True,

@@ -103,7 +103,12 @@ def _torch_version() -> tuple[int, int]:
 
 # At W = 4 the reduce-scatter sums more than two ranks: the traced reduction
 # must add them in eager's order (its input laid out as eager's), bit for bit.
-W4_SCENARIOS = ["aot_eager_raf", "aot_eager_hsdp", "aot_eager_shard1"]
+W4_SCENARIOS = [
+    "aot_eager_raf",
+    "aot_eager_hsdp",
+    "aot_eager_shard1",
+    "aot_eager_frozen_hsdp_offload",
+]
 
 
 @pytest.fixture(scope="module")
