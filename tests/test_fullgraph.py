@@ -125,7 +125,7 @@ def test_fullgraph_parity(results, name):
 
 # On a GPU (one NCCL rank): CPU offload copies the shard to the device and the
 # reduced gradient back, which the CPU scenarios cannot show.
-CUDA_SCENARIOS = ["aot_eager_offload_bf16", "inductor_raf"]
+CUDA_SCENARIOS = ["aot_eager_offload_bf16", "inductor_raf", "aot_eager_frozen"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
