@@ -124,7 +124,8 @@ def test_fullgraph_parity(results, name):
 
 
 # On a GPU (one NCCL rank): CPU offload copies the shard to the device and the
-# reduced gradient back, which the CPU scenarios cannot show.
+# reduced gradient back, which the CPU scenarios cannot show; inductor's GPU
+# kernels; frozen weights beside trained biases in each group.
 CUDA_SCENARIOS = ["aot_eager_offload_bf16", "inductor_raf", "aot_eager_frozen"]
 
 
