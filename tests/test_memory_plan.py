@@ -91,6 +91,38 @@ def test_activation_profile_of_the_loss():
         assert activation_profile(model, [model[0]], x, loss_fn=loss_fn) == got
 
 
+def test_activation_profile_of_the_outermost_module():
+    """[Note: The outermost module's saved bytes] What the root saves after its
+    blocks is freed in the loss's backward: it counts with the loss, not as
+    the root's activations; what it saves before them stays its own."""
+    width = 8 * 64 * 4
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1000))
+    x = torch.empty(8, 64, device="meta")
+    alone = activation_profile(model, [model[0]], x, loss_fn=loss_fn)
+    got = activation_profile(model, [model[0], model], x, loss_fn=loss_fn)
+    # the GELU's input and the head's input, saved after the block, freed first
+    assert got.blocks[""].saved == 0
+    assert got.loss == alone.loss + 2 * width
+    assert got.blocks["0"] == alone.blocks["0"]
+    # The backward runs as after zero_grad(): a .grad the model holds is set
+    # aside (not added to) and put back.
+    held = torch.empty(1000, device="meta")
+    model[2].bias.grad = held
+    assert activation_profile(model, [model[0], model], x, loss_fn=loss_fn) == got
+    assert model[2].bias.grad is held and model[0].weight.grad is None
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    got = activation_profile(model, [model[2], model], x, loss_fn=loss_fn)
+    # the GELU's input, saved before the block and freed after its backward
+    assert got.blocks[""].saved == width
+    assert got.blocks["2"].saved == width  # its input, the GELU's output
+
+
 def test_activation_profile_of_each_block_backward():
     """``backward``: the most a block's backward holds at once, from the
     gradient of its outputs to that of its inputs; the same on every torch."""

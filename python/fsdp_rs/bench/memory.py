@@ -34,6 +34,7 @@ it is not part of the prediction.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from typing import Any
 
@@ -56,6 +57,9 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     # fsdp-rs steps fsdp_rs.optim.FlatOptimizer(AdamW), FSDP2 torch's AdamW
     "flat_adamw": (2, {"flat": True}),
     "flat_adamw_frozen_weights": (2, {"flat": True, "frozen_weights": True}),
+    # torch.utils.checkpoint around every block's forward: each block saves its
+    # input alone and recomputes the rest in its backward
+    "activation_checkpointing": (2, {"ac": True}),
     # CPUOffloadPolicy in both libraries (pinned host memory on CUDA): on CUDA
     # the rows are device memory, the sharded parameters and AdamW's states
     # being on the host
@@ -81,6 +85,20 @@ def _model(name: str, dim: int, layers: int) -> nn.Module:
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(getattr(model, "blocks", model))
+
+
+def _prepare(model: nn.Module, options: dict) -> nn.Module:
+    """The config's changes to a freshly built model: weights frozen, blocks
+    checkpointed."""
+    if options.get("frozen_weights"):
+        _freeze_weights(model)
+    if options.get("ac"):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in _blocks(model):
+            forward = block.forward
+            block.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+    return model
 
 
 def _freeze_weights(model: nn.Module) -> None:
@@ -119,8 +137,7 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
             copy = _model(name, dim, layers)
         finally:
             torch.set_default_dtype(default)
-        if options.get("frozen_weights"):
-            _freeze_weights(copy)
+        _prepare(copy, options)
         x = _input(name, dim, batch, device, dtype)
         return activation_profile(copy, [*_blocks(copy), copy], x, loss_fn=_loss)
 
@@ -278,9 +295,7 @@ def measure(
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     requested_base = _requested("current") if device.type == "cuda" else 0
     with contextlib.ExitStack() as stack:
-        model = _model(name, dim, layers).to(device)
-        if options.get("frozen_weights"):
-            _freeze_weights(model)
+        model = _prepare(_model(name, dim, layers).to(device), options)
         meter = stack.enter_context(_Meter(device, (model,), base, requested_base))
         for block in _blocks(model):
             fully_shard(block, **kwargs)

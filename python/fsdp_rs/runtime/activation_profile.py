@@ -107,6 +107,11 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+def _put_back(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
 def activation_profile(
     module: nn.Module,
     blocks: Sequence[nn.Module],
@@ -138,13 +143,22 @@ def activation_profile(
     active: list[str] = []
     live = _LiveBytes()
     loss_peak: list[int | None] = [None]  # the peak when a block's backward began
+    # ``module``'s own saved storages (when it is one of the blocks), and how
+    # many of their bytes were freed before the first block's backward (see
+    # [Note: The outermost module's saved bytes] below)
+    root = name_of[id(module)] if id(module) in {id(b) for b in blocks} else None
+    root_saved: list[tuple[StorageWeakRef, int]] = []
+    freed_early = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in counted and active:
             counted.add(key)
             name = active[-1]
-            out[name] = out[name]._replace(saved=out[name].saved + t.untyped_storage().nbytes())
+            storage = t.untyped_storage()
+            out[name] = out[name]._replace(saved=out[name].saved + storage.nbytes())
+            if name == root:  # a weak reference: addresses are reused once freed
+                root_saved.append((StorageWeakRef(storage), storage.nbytes()))
         return t
 
     def record(closed: tuple[str, int] | None) -> None:
@@ -157,6 +171,7 @@ def activation_profile(
         def hook(grad: torch.Tensor) -> None:
             if loss_peak[0] is None:
                 loss_peak[0] = live.peak
+                freed_early[0] = sum(n for ref, n in root_saved if ref.expired())
             if live.window[:1] != [name]:
                 base = live.current - out[name].saved - out[name].output
                 record(live.open(name, base))
@@ -188,6 +203,14 @@ def activation_profile(
                 t.register_hook(started(name))
 
     with contextlib.ExitStack() as stack:
+        if loss_fn is not None:
+            # the backward as a step after zero_grad() runs it (gradients made,
+            # not added to): the parameters' .grad set aside, then put back
+            params = list(module.parameters())
+            grads = [p.grad for p in params]
+            stack.callback(_put_back, params, grads)
+            for p in params:
+                p.grad = None
         for b in blocks:
             name = name_of[id(b)]
             stack.callback(b.register_forward_pre_hook(enter(name, b)).remove)
@@ -208,4 +231,13 @@ def activation_profile(
         for t in tree_leaves(outputs)
         if isinstance(t, torch.Tensor) and t.requires_grad and _storage_key(t) not in counted
     ]
-    return ActivationProfile(out, peak - start + _grad_bytes(unsaved))
+    loss = peak - start + _grad_bytes(unsaved)
+    if freed_early[0]:
+        # [Note: The outermost module's saved bytes]
+        # What the outermost module saves after its blocks (a head's input, a
+        # final norm's) is freed in the loss's backward, before any block's:
+        # counted with the loss, which holds it, not as activations held
+        # through every block's forward and backward.
+        out[root] = out[root]._replace(saved=out[root].saved - freed_early[0])
+        loss += freed_early[0]
+    return ActivationProfile(out, loss)
