@@ -126,13 +126,16 @@ def activation_profile(
     innermost block running when it is first saved (it lives until that
     block's backward, the last to use it); parameters, buffers and inputs do
     not count. With ``loss_fn`` (called on the outputs; a scalar), the loss
-    and the backward are run too: ``loss`` is the peak from the outputs to the
-    start of the first block's backward, and each block's ``backward`` the
-    peak from the gradient of its outputs to that of its inputs (or to the
-    next block's backward) above what was live before less its ``saved`` and
-    ``output`` bytes. Build ``module`` and the inputs
-    under ``FakeTensorMode`` (in the compute dtype of a mixed-precision policy)
-    so that nothing is allocated."""
+    and the backward are run too (with the parameters' ``.grad`` set aside
+    and put back after): ``loss`` is the peak from the outputs to the start
+    of the first block's backward, and each block's ``backward`` the peak
+    from the gradient of its outputs to that of its inputs (or to the next
+    block's backward) above what was live before less its ``saved`` and
+    ``output`` bytes. What ``module`` itself saves and frees before the first
+    block's backward counts in ``loss``, not in its ``saved`` ([Note: The
+    outermost module's saved bytes]). Build ``module`` and the inputs under
+    ``FakeTensorMode`` (in the compute dtype of a mixed-precision policy) so
+    that nothing is allocated."""
     name_of = {id(m): name for name, m in module.named_modules()}
     missing = [type(b).__name__ for b in blocks if id(b) not in name_of]
     if missing:
