@@ -562,12 +562,13 @@ def peak_memory(
         # the gradients reduced: autograd's, or those accumulated so far
         reducing = acc[g] if accumulate else ugrad[g]
         # the gradient flowing in (the size of this group's output) and out
-        flowing = out[g] + (out[g - 1] if g else 0)
+        flowing_out = out[g - 1] if g else 0
+        flowing = out[g] + flowing_out
         # what this group's backward holds besides its parameters: as measured
         # (at least its gradients and the one flowing out), else its
         # activations, gradients and those flowing
         if measured[g]:
-            holds = max(measured[g], ugrad[g] + (out[g - 1] if g else 0))
+            holds = max(measured[g], ugrad[g] + flowing_out)
         else:
             holds = act[g] + ugrad[g] + flowing
         moments = [

@@ -229,11 +229,7 @@ def activation_profile(
             record(live.close())
             peak = live.peak if loss_peak[0] is None else loss_peak[0]
     # The outputs were live at the start, and count unless a block saved them.
-    unsaved = [
-        t
-        for t in tree_leaves(outputs)
-        if isinstance(t, torch.Tensor) and t.requires_grad and _storage_key(t) not in counted
-    ]
+    unsaved = [t for t in _needs_grad(outputs) if _storage_key(t) not in counted]
     loss = peak - start + _grad_bytes(unsaved)
     if freed_early[0]:
         # [Note: The outermost module's saved bytes]

@@ -179,9 +179,9 @@ def predict_memory(
                 f"got {value!r}"
             )
         if name in index:
-            saved[index[name]] += block.saved
-            outputs[index[name]] += block.output
             g = index[name]
+            saved[g] += block.saved
+            outputs[g] += block.output
             if block.backward and above[g] is not None:
                 above[g].append(block.backward - block.saved)
             else:

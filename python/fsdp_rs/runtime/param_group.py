@@ -393,11 +393,15 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters
         self._grad_nd = None if self.nd is None else [self.nd[i] for i in self._grad_index]
-        # [Note: Gradient layout]
-        if not self._grad_index or len(self._grad_index) == len(self.shapes):
-            self.grad_layout = self.layout
-        else:
-            self.grad_layout = self._layout_of(tuple(self.shapes[i] for i in self._grad_index))
+        self.grad_layout = self.grad_layout_of(self._grad_index)
+
+    def grad_layout_of(self, index: list[int]):
+        """The layout the gradients of the parameters at ``index`` (the
+        trainable ones) are reduced in ([Note: Gradient layout]): the group's
+        own where every parameter trains or none does."""
+        if not index or len(index) == len(self.shapes):
+            return self.layout
+        return self._layout_of(tuple(self.shapes[i] for i in index))
 
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced

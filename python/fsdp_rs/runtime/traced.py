@@ -128,10 +128,8 @@ class TracedGroup:
         # the sharded parameters now, as the eager unshard reads them
         self.trains = [p.requires_grad for p in group.sharded_params]
         self.trained = [i for i, t in enumerate(self.trains) if t]
-        grad_layout, index = group.layout, None
-        if 0 < len(self.trained) < len(self.trains):
-            grad_layout = group._layout_of(tuple(group.shapes[i] for i in self.trained))
-            index = self.trained
+        grad_layout = group.grad_layout_of(self.trained)
+        index = None if grad_layout is group.layout else self.trained
         self.grad_tables = list(grad_layout.tables.reduce_scatter_args())
         self.grad_row_numel = grad_layout.plan.row_numel
         self.grad_offsets = list(grad_layout.row_offsets)

@@ -39,11 +39,12 @@
 //!   or, where `activation_profile` measured it (`backward`), the most its
 //!   backward held at once, which also sees the transients between its ops (a
 //!   GELU's input gradient beside its output's) and the gradients as they
-//!   appear, but no less than all its gradients and the one flowing out; plus the previous
-//!   group's reduce-scatter input, which FSDP2 frees only when `g` reduces
-//!   (with side streams); without them it is freed after its collective, and a
-//!   group whose gradients fit there gathers them into a buffer in its place
-//!   while autograd computes each (its gradients once more, at most);
+//!   appear, but no less than all its gradients and the one flowing out;
+//!   plus the previous group's reduce-scatter input, which FSDP2 frees only
+//!   when `g` reduces (with side streams); without them it is freed after its
+//!   collective, and a group whose gradients fit there gathers them into a
+//!   buffer in its place while autograd computes each (its gradients once
+//!   more, at most);
 //! - reducing: `g`'s reduce-scatter input, and its unsharded gradients or,
 //!   once the copy-in has read and dropped them, its reduce-scatter output (its
 //!   unsharded parameters are freed first);
