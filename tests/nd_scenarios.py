@@ -280,22 +280,14 @@ def tp_mlp(
     return out
 
 
-def tp_fullgraph(
-    world_size: int, rank: int, tp: int = 2, sequence: bool = True, mp: bool = False
-) -> dict:
-    """fsdp-rs over TP, eager and compiled whole with ``fullgraph=True`` after
-    ``set_fullgraph_compile()`` (aot_eager): both trained the same steps
-    (``{"refused": message}`` where ``set_fullgraph_compile`` refuses)."""
-    if BOTH_TORCH:
-        return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
-    kwargs = {}
-    if mp:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-    mesh = _nd_mesh(world_size, tp)
+def _eager_and_compiled(build: Callable[[], nn.Module], batch, steps: int = 3) -> dict:
+    """The model ``build()`` makes trained eager and, built again, compiled
+    whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
+    (aot_eager), the same steps (``{"refused": message}`` where
+    ``set_fullgraph_compile`` refuses)."""
     out = {}
     for mode in ("eager", "compiled"):
-        model = _tensor_parallel(_net(), mesh["tp"], sequence)
-        _fully_shard("rs", model, mesh["dp"], **kwargs)
+        model = build()
         run: nn.Module = model
         if mode == "compiled":
             try:
@@ -304,11 +296,30 @@ def tp_fullgraph(
                 return {"refused": str(e)}
             torch._dynamo.reset()
             run = torch.compile(model, backend="aot_eager", fullgraph=True)
-        trained = _train(run, lambda step: _inputs(mesh, step, sequence), _mse, 3)
+        trained = _train(run, batch, _mse, steps)
         prefix = "_orig_mod."  # the compiled wrapper's names
         grads = {k.removeprefix(prefix): v for k, v in trained["grads"].items()}
         out[mode] = {**trained, "grads": grads, "params": _params(model)}
     return out
+
+
+def tp_fullgraph(
+    world_size: int, rank: int, tp: int = 2, sequence: bool = True, mp: bool = False
+) -> dict:
+    """fsdp-rs over TP, eager and compiled whole with ``fullgraph=True``
+    (``_eager_and_compiled``)."""
+    if BOTH_TORCH:
+        return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
+    kwargs = {}
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    mesh = _nd_mesh(world_size, tp)
+
+    def build() -> nn.Module:
+        model = _tensor_parallel(_net(), mesh["tp"], sequence)
+        return _fully_shard("rs", model, mesh["dp"], **kwargs)
+
+    return _eager_and_compiled(build, lambda step: _inputs(mesh, step, sequence))
 
 
 def tp_strided(world_size: int, rank: int, tp: int = 2) -> dict:
@@ -457,11 +468,42 @@ def spmd_dp_mesh_dims(world_size: int, rank: int, tp: int = 2, steps: int = 2) -
     return out
 
 
+def spmd_fullgraph(world_size: int, rank: int, tp: int = 2, mp: bool = False) -> dict:
+    """fsdp-rs in torch's SPMD form (``spmd_dp_mesh_dims``), eager and compiled
+    whole with ``fullgraph=True`` (``_eager_and_compiled``): the gradients
+    autograd leaves ``Partial`` on the dp dim are summed by the reduce-scatter,
+    as in eager."""
+    if BOTH_TORCH:
+        return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
+    if not HAS_DP_MESH_DIMS:
+        return {"skipped": "this torch has no DataParallelMeshDims"}
+    dims = torch_fsdp.DataParallelMeshDims(shard="dp")
+    mesh = _nd_mesh(world_size, tp)
+    kwargs = {}
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = _SpmdNet(mesh)
+        for block in model.blocks:
+            fsdp_rs.fully_shard(block, mesh=mesh, dp_mesh_dims=dims, **kwargs)
+        return fsdp_rs.fully_shard(model, mesh=mesh, dp_mesh_dims=dims, **kwargs)
+
+    dp, _, _ = _coordinates(mesh)
+
+    def batch(step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 * dp + step)
+        return torch.randn(BATCH, DIM, generator=gen)
+
+    return _eager_and_compiled(build, batch)
+
+
 class _DPNet(nn.Module):
     """An MLP whose parameters are DTensors replicated on every dim of a mesh
     that is all data parallel; takes this rank's rows, sharded on every dim."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, replicated_batch: bool = False) -> None:
         super().__init__()
         self.w1 = nn.Linear(DIM, HIDDEN)
         self.w2 = nn.Linear(HIDDEN, DIM)
@@ -471,20 +513,21 @@ class _DPNet(nn.Module):
             for name, p in list(module.named_parameters()):
                 setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, replicated)))
         self.mesh = mesh
+        self.batch = [Replicate() if replicated_batch else Shard(0)] * mesh.ndim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = DTensor.from_local(x, self.mesh, [Shard(0)] * self.mesh.ndim, run_check=False)
+        x = DTensor.from_local(x, self.mesh, self.batch, run_check=False)
         x = x + self.w2(torch.relu(self.w1(x)))
         return self.head(x).to_local()
 
 
-def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2) -> dict:
+def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2, hsdp: bool = False) -> dict:
     """``dp_mesh_dims`` naming two shard dims (torchtitan's FSDP over dp_shard x
-    cp): they act as one flattened DP dim, in the sharded parameters' mesh too."""
+    cp): they act as one flattened DP dim, in the sharded parameters' mesh too.
+    ``hsdp``: a replicate dim and a shard dim instead."""
     if not HAS_DP_MESH_DIMS:
         return {"skipped": "this torch has no DataParallelMeshDims"}
-    dims = torch_fsdp.DataParallelMeshDims(shard=("dp_shard", "cp"))
-    mesh = _several_mesh(world_size)
+    mesh, dims = _two_dp_dims(world_size, hsdp)
     out = {}
     for lib in LIBS:
         torch.manual_seed(0)
@@ -502,9 +545,45 @@ def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2) -> dict:
     return out
 
 
+def spmd_fullgraph_several(
+    world_size: int, rank: int, replicated_batch: bool = False, hsdp: bool = False
+) -> dict:
+    """``spmd_several_shard_dims`` eager and compiled whole with
+    ``fullgraph=True`` (``_eager_and_compiled``). ``replicated_batch``: one
+    batch on every rank, ``Replicate()`` on the DP dims, so the gradients are
+    ``Replicate()`` there too (the reduce-scatter sums the copies, as eager)."""
+    if BOTH_TORCH:
+        return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
+    if not HAS_DP_MESH_DIMS:
+        return {"skipped": "this torch has no DataParallelMeshDims"}
+    mesh, dims = _two_dp_dims(world_size, hsdp)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = _DPNet(mesh, replicated_batch)
+        fsdp_rs.fully_shard(model.w1, mesh=mesh, dp_mesh_dims=dims)
+        return fsdp_rs.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+
+    def batch(step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 * (0 if replicated_batch else rank) + step)
+        return torch.randn(BATCH, DIM, generator=gen)
+
+    return _eager_and_compiled(build, batch)
+
+
+def _two_dp_dims(world_size: int, hsdp: bool) -> tuple[DeviceMesh, object]:
+    """A (2, W / 2) mesh of two DP dims and its ``DataParallelMeshDims``:
+    (dp_shard, cp), both sharded, or with ``hsdp`` (dp_replicate, dp_shard)."""
+    if hsdp:
+        dims = torch_fsdp.DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+        return _dp_mesh_2d(world_size, ("dp_replicate", "dp_shard")), dims
+    dims = torch_fsdp.DataParallelMeshDims(shard=("dp_shard", "cp"))
+    return _dp_mesh_2d(world_size, ("dp_shard", "cp")), dims
+
+
 @functools.cache
-def _several_mesh(world_size: int) -> DeviceMesh:
-    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_shard", "cp"))
+def _dp_mesh_2d(world_size: int, names: tuple[str, str]) -> DeviceMesh:
+    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
 
 
 def _error_name(fn: Callable) -> list[str] | None:
@@ -605,6 +684,16 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "spmd_dp_mesh_dims": (spmd_dp_mesh_dims, {"tp": 1}),
     "spmd_dp_mesh_dims_tp": (spmd_dp_mesh_dims, {"min_world": 4}),
     "spmd_several_shard_dims": (spmd_several_shard_dims, {"min_world": 4}),
+    "spmd_fullgraph": (spmd_fullgraph, {"tp": 1}),
+    "spmd_fullgraph_tp": (spmd_fullgraph, {"min_world": 4}),
+    "spmd_fullgraph_tp_bf16": (spmd_fullgraph, {"mp": True, "min_world": 4}),
+    "spmd_fullgraph_several": (spmd_fullgraph_several, {"min_world": 4}),
+    "spmd_hsdp": (spmd_several_shard_dims, {"hsdp": True, "min_world": 4}),
+    "spmd_fullgraph_hsdp": (spmd_fullgraph_several, {"hsdp": True, "min_world": 4}),
+    "spmd_fullgraph_replicated_batch": (
+        spmd_fullgraph_several,
+        {"replicated_batch": True, "min_world": 4},
+    ),
     "dp_only_2d_mesh_1_tp": (tp_mlp, {"tp": 1}),
     "errors": (errors, {}),
     "clip_mixed_meshes": (clip_mixed_meshes, {"min_world": 4}),

@@ -83,6 +83,40 @@ def test_tp_fullgraph_matches_eager(results, name):
         _assert_observed(rank, r["compiled"])
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "spmd_fullgraph",
+        "spmd_fullgraph_tp",
+        "spmd_fullgraph_tp_bf16",
+        "spmd_fullgraph_several",
+        "spmd_fullgraph_replicated_batch",
+        "spmd_fullgraph_hsdp",
+    ],
+)
+def test_spmd_fullgraph_matches_eager(results, name):
+    """``torch.compile(model, fullgraph=True)`` with traced hooks over
+    ``dp_mesh_dims`` parameters ([Note: DP dims under trace]): the gradients
+    autograd leaves ``Partial`` on the DP dims are summed once, by the
+    reduce-scatter (an all-reduce there first would double the gradient norm),
+    and those it leaves ``Replicate()`` (one batch on every rank) are summed as
+    they are, as eager sums them;
+    losses, gradient norms, sharded gradients and trained parameters equal
+    eager fsdp-rs's bit for bit. Where torch's FSDP2 reduces a TP partial
+    gradient in the wider reduce dtype (torch >= 2.15, bf16 parameters),
+    set_fullgraph_compile refuses."""
+    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+
+    refuses = name.endswith("bf16") and fsdp2_has_grad_dtype_policy()
+    for rank, r in each_rank(SCENARIOS, results, name):
+        if refuses:
+            assert "reduced over tensor parallelism" in r.get("refused", ""), (rank, r)
+            continue
+        assert "refused" not in r, (rank, r["refused"] if "refused" in r else None)
+        _assert_same(rank, r["compiled"], r["eager"])
+        _assert_observed(rank, r["compiled"])
+
+
 def test_meta_init_stays_on_meta(results):
     for rank, r in each_rank(SCENARIOS, results, "tp_meta_init"):
         assert r["rs"]["meta"] and r["torch"]["meta"], rank
@@ -111,7 +145,8 @@ def test_dcp_across_libraries(results):
 
 
 @pytest.mark.parametrize(
-    "name", ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp", "spmd_several_shard_dims"]
+    "name",
+    ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp", "spmd_several_shard_dims", "spmd_hsdp"],
 )
 def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
     for rank, r in each_rank(SCENARIOS, results, name):

@@ -51,9 +51,10 @@ so no gradient is computed for them, and the trained ones are reduced in the
 group's gradient layout, as in eager); DTensor parameters of tensor or expert
 parallelism (the unsharded local tensors wrapped by ``DTensor.from_local``
 with the parameters' own specs, whose backward brings a gradient to those
-placements as the eager post-backward does), but not ``dp_mesh_dims``,
-spmd_types annotations, or a TP partial gradient that eager sums in a wider
-dtype ([Note: Gradients under trace are in the parameter dtype]); several
+placements as the eager post-backward does), ``dp_mesh_dims`` included
+([Note: DP dims under trace]), but not spmd_types annotations, or a TP
+partial gradient that eager sums in a wider dtype ([Note: Gradients under
+trace are in the parameter dtype]); several
 modules in one ``fully_shard`` call (the first module's pre-forward gathers,
 the others reuse what it registered: one reduction, as in eager), except at
 the root.
@@ -71,8 +72,6 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._api import _ToTorchTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -91,6 +90,7 @@ from fsdp_rs.runtime.plan_check import (
 )
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
+from fsdp_rs.runtime.traced_dtensor import from_local, local_of
 from fsdp_rs.runtime.unshard import ShardedState
 
 __all__ = ["TracedGroup", "disable", "enable"]
@@ -121,6 +121,7 @@ class TracedGroup:
         # [Note: DTensor parameters] the unsharded parameters' own specs (TP / EP)
         nd = group.nd or [None] * len(shapes)
         self.specs = [None if d is None else d.unsharded_spec(group.param_dtype) for d in nd]
+        self.keep = [() if d is None else tuple(sorted(d.keep_on_dims)) for d in nd]
         # sharded on another dim: the copies' chunk table (made here, eagerly)
         shard_dim = isinstance(group, ShardDimGroup)
         self.chunk_numel = group._chunks(None) if shard_dim else None
@@ -179,8 +180,6 @@ def _static_reason(state, group) -> str | None:
         return "its parameters are gathered by an all-gather extension"
     if group.annotations is not None:
         return "its parameters carry spmd_types annotations"
-    if group.info.spmd_mesh is not None:
-        return "it shards over dp_mesh_dims of the parameters' own mesh"
     if group.nd is not None and group.widens_grads:
         # [Note: Gradients under trace are in the parameter dtype]
         if any(nd is not None and nd.reduces_outside_dp for nd in group.nd):
@@ -338,67 +337,25 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
     return list(unsharded)
 
 
-class _LocalOf(_ToTorchTensor):
-    """``DTensor.to_local()`` whose backward passes a missing gradient on as
-    missing ([Note: The local tensors' missing gradients])."""
-
-    @staticmethod
-    def forward(ctx, dtensor, grad_placements):  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        return _ToTorchTensor.forward(ctx, dtensor, grad_placements)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        if grad is None:
-            return None, None
-        return _ToTorchTensor.backward(ctx, grad)
-
-
-@torch._dynamo.allow_in_graph
-def _local_of(param: torch.Tensor) -> torch.Tensor:
-    """[Note: The local tensors' missing gradients]
-    The copy-out's formula gives no gradient to the local tensor of a parameter
-    nothing used ([Note: Unused parameters under trace]); that must reach the
-    DTensor parameter as no gradient. ``DTensor.to_local()``'s backward on torch
-    before 2.10 turns a missing gradient into zeros (its autograd function
-    materializes them), so there such a parameter got a zero gradient, which
-    optimizers step (weight decay, momentum) where eager skips it. This is the
-    same function with missing gradients passed on, as torch 2.10+ does; Dynamo
-    puts it in the graph as one call, as it does ``to_local``."""
-    return _LocalOf.apply(param, None)
-
-
 def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
     group = traced.group
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
         return registered
-    local = [_local_of(group.sharded_params[i]) for i in traced.trained]
+    local = [local_of(group.sharded_params[i]) for i in traced.trained]
     if group.reshard_after_forward is not False and torch.is_grad_enabled():
         views = checkpoint(
             _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
         )
     else:
         views = _gather(traced, group.sharded, *local)
-    # DTensor parameters (TP / EP): the unsharded local tensors as DTensors of
-    # the parameters' own specs; from_local's backward brings each gradient to
-    # those placements (a Partial reduced over its dim), as the eager
-    # post-backward does, and hands the copy-out its local tensor
+    # DTensor parameters (TP / EP / dp_mesh_dims): the unsharded local tensors
+    # as DTensors of the parameters' own specs, handing the copy-out the local
+    # tensor of each gradient as the eager post-backward reads it
     return [
-        v if spec is None else _from_local(v, spec)
-        for v, spec in zip(views, traced.specs, strict=True)
+        v if spec is None else from_local(v, spec, keep)
+        for v, spec, keep in zip(views, traced.specs, traced.keep, strict=True)
     ]
-
-
-def _from_local(local: torch.Tensor, spec) -> torch.Tensor:
-    return DTensor.from_local(
-        local,
-        spec.mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.tensor_meta.shape,
-        stride=spec.tensor_meta.stride,
-    )
 
 
 def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
