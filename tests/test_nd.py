@@ -64,50 +64,35 @@ def test_tp_training_matches_fsdp2(results, name):
         _assert_observed(rank, r["rs"])
 
 
-@pytest.mark.parametrize("name", ["tp_fullgraph", "tp_fullgraph_bf16_replicated_norm"])
-def test_tp_fullgraph_matches_eager(results, name):
+# scenario -> whether set_fullgraph_compile refuses it where torch's FSDP2 (torch
+# >= 2.15) reduces a TP partial gradient of bf16 parameters in the reduce dtype
+_FULLGRAPH = {
+    "tp_fullgraph": False,
+    "tp_fullgraph_bf16_replicated_norm": True,
+    "spmd_fullgraph": False,
+    "spmd_fullgraph_tp": False,
+    "spmd_fullgraph_tp_bf16": True,
+    "spmd_fullgraph_several": False,
+    "spmd_fullgraph_replicated_batch": False,
+    "spmd_fullgraph_hsdp": False,
+}
+
+
+@pytest.mark.parametrize("name", list(_FULLGRAPH))
+def test_fullgraph_matches_eager(results, name):
     """``torch.compile(model, fullgraph=True)`` with traced hooks over TP
-    parameters ([Note: Traced hooks]): losses, gradient norms, the last step's
-    sharded gradients and the trained parameters equal eager fsdp-rs's bit for
-    bit. Where torch's FSDP2 reduces a TP partial gradient in the wider reduce
-    dtype (torch >= 2.15, bf16 parameters), set_fullgraph_compile refuses."""
+    parameters and over ``dp_mesh_dims`` ones ([Note: Traced hooks], [Note:
+    DP dims under trace]): losses, gradient norms, the last step's sharded
+    gradients and the trained parameters equal eager fsdp-rs's bit for bit.
+    With ``dp_mesh_dims``, gradients autograd leaves ``Partial`` on the DP
+    dims are summed once, by the reduce-scatter (an all-reduce there first
+    would double the gradient norm), and those it leaves ``Replicate()`` (one
+    batch on every rank) as they are, as eager sums them. Where torch's FSDP2
+    reduces a TP partial gradient in the wider reduce dtype (torch >= 2.15,
+    bf16 parameters), set_fullgraph_compile refuses."""
     from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
-    refuses = name.endswith("bf16_replicated_norm") and fsdp2_has_grad_dtype_policy()
-    for rank, r in each_rank(SCENARIOS, results, name):
-        if refuses:
-            assert "reduced over tensor parallelism" in r.get("refused", ""), (rank, r)
-            continue
-        assert "refused" not in r, (rank, r["refused"] if "refused" in r else None)
-        _assert_same(rank, r["compiled"], r["eager"])
-        _assert_observed(rank, r["compiled"])
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "spmd_fullgraph",
-        "spmd_fullgraph_tp",
-        "spmd_fullgraph_tp_bf16",
-        "spmd_fullgraph_several",
-        "spmd_fullgraph_replicated_batch",
-        "spmd_fullgraph_hsdp",
-    ],
-)
-def test_spmd_fullgraph_matches_eager(results, name):
-    """``torch.compile(model, fullgraph=True)`` with traced hooks over
-    ``dp_mesh_dims`` parameters ([Note: DP dims under trace]): the gradients
-    autograd leaves ``Partial`` on the DP dims are summed once, by the
-    reduce-scatter (an all-reduce there first would double the gradient norm),
-    and those it leaves ``Replicate()`` (one batch on every rank) are summed as
-    they are, as eager sums them;
-    losses, gradient norms, sharded gradients and trained parameters equal
-    eager fsdp-rs's bit for bit. Where torch's FSDP2 reduces a TP partial
-    gradient in the wider reduce dtype (torch >= 2.15, bf16 parameters),
-    set_fullgraph_compile refuses."""
-    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
-
-    refuses = name.endswith("bf16") and fsdp2_has_grad_dtype_policy()
+    refuses = _FULLGRAPH[name] and fsdp2_has_grad_dtype_policy()
     for rank, r in each_rank(SCENARIOS, results, name):
         if refuses:
             assert "reduced over tensor parallelism" in r.get("refused", ""), (rank, r)
