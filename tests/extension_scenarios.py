@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
-from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh
+from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh, fullgraph_compiled
 from spawned import run_named
 
 STEPS = 3
@@ -64,6 +64,16 @@ class PairV2(TwoTensor):
         return (self.a, self.b), None
 
     fsdp_post_all_gather = _pair_post
+
+
+class PairKept(PairV2):
+    """``PairV2`` rebuilt as itself from its inner tensors (``TwoTensor``'s
+    ``__tensor_unflatten__`` makes a ``TwoTensor``), so torch.compile keeps
+    its extension ([Note: Extensions under trace])."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return PairKept(inner["a"], inner["b"], outer_size, outer_stride)
 
 
 class Bf16Gathered(torch.Tensor):
@@ -193,19 +203,26 @@ def _shard(lib: str, model: nn.Module, mesh, **kwargs) -> nn.Module:
 # --------------------------------------------------------------- scenarios
 
 
-def subclass_training(
-    world_size: int, rank: int, kind: str, accumulate: bool = False, **shard_kwargs
-) -> dict:
-    """Training with parameters of an extension subclass, against FSDP2."""
-    wrap, model_kwargs = {
-        "pair_v1": (lambda w: PairV1(w, w.clone()), {}),
-        "pair_v2": (lambda w: PairV2(w, w.clone()), {}),
-        "bf16": (lambda w: Bf16Gathered(w.clone()), {"bias": True, "out": 5}),
-    }[kind]
+def _subclass(kind: str, shard_kwargs: dict) -> tuple[Callable, dict]:
+    """(how to wrap a weight, the model's kwargs) of subclass ``kind``; the
+    ``mp`` and ``offload`` flags of ``shard_kwargs`` made policies in place."""
     if shard_kwargs.pop("mp", False):
         shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if shard_kwargs.pop("offload", False):
         shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return {
+        "pair_v1": (lambda w: PairV1(w, w.clone()), {}),
+        "pair_v2": (lambda w: PairV2(w, w.clone()), {}),
+        "pair_kept": (lambda w: PairKept(w, w.clone()), {}),
+        "bf16": (lambda w: Bf16Gathered(w.clone()), {"bias": True, "out": 5}),
+    }[kind]
+
+
+def subclass_training(
+    world_size: int, rank: int, kind: str, accumulate: bool = False, **shard_kwargs
+) -> dict:
+    """Training with parameters of an extension subclass, against FSDP2."""
+    wrap, model_kwargs = _subclass(kind, shard_kwargs)
     out = {}
     for lib in LIBS:
         PairV2.seen.clear()
@@ -218,6 +235,38 @@ def subclass_training(
             "local_types": local_types,
             "seen": sorted(set(PairV2.seen)),
         }
+    return out
+
+
+def fullgraph(
+    world_size: int,
+    rank: int,
+    kind: str,
+    hsdp: bool = False,
+    frozen: bool = False,
+    **shard_kwargs,
+) -> dict:
+    """Training with parameters of an extension subclass, eager and compiled
+    whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
+    (aot_eager, with the ops of each graph it compiled listed);
+    ``{"refused": message}`` where it refuses. ``hsdp``: a (2, W / 2) mesh;
+    ``frozen``: the blocks' first weights frozen, beside trained ones."""
+    from fullgraph_scenarios import ListingBackend
+
+    wrap, model_kwargs = _subclass(kind, shard_kwargs)
+    backend = ListingBackend("aot_eager")
+    out = {}
+    for mode in ("eager", "compiled"):
+        model = _model(wrap, **model_kwargs)
+        for block in model.blocks if frozen else ():
+            block.lin1.weight.requires_grad_(False)
+        model = _shard("rs", model, _mesh(world_size, hsdp), **shard_kwargs)
+        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
+        if isinstance(run, str):
+            return {"refused": run}
+        losses = _train(run, rank)
+        out[mode] = {"losses": losses, **_observe(model)}
+    out["graphs"] = backend.graphs
     return out
 
 
@@ -329,6 +378,14 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "bf16_keep": (subclass_training, {"kind": "bf16", "reshard_after_forward": False}),
     "bf16_offload": (subclass_training, {"kind": "bf16", "offload": True}),
     "bf16_accumulate": (subclass_training, {"kind": "bf16", "accumulate": True}),
+    "fullgraph_bf16": (fullgraph, {"kind": "bf16"}),
+    "fullgraph_bf16_keep": (fullgraph, {"kind": "bf16", "reshard_after_forward": False}),
+    "fullgraph_pair": (fullgraph, {"kind": "pair_kept"}),
+    "fullgraph_pair_bf16": (fullgraph, {"kind": "pair_kept", "mp": True}),
+    "fullgraph_pair_v1": (fullgraph, {"kind": "pair_v1"}),
+    "fullgraph_bf16_offload": (fullgraph, {"kind": "bf16", "offload": True}),
+    "fullgraph_bf16_frozen": (fullgraph, {"kind": "bf16", "frozen": True}),
+    "fullgraph_bf16_hsdp": (fullgraph, {"kind": "bf16", "hsdp": True, "min_world": 4}),
     "patched": (patched, {}),
     "patched_hsdp": (patched, {"hsdp": True, "min_world": 4}),
     "one_sided": (one_sided, {}),

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_rs
+from scenario_common import fullgraph_compiled
 from spawned import run_named
 
 # Every local shard a multiple of 16 bytes at dp <= 4, tp <= 2 (fp32).
@@ -288,14 +289,9 @@ def _eager_and_compiled(build: Callable[[], nn.Module], batch, steps: int = 3) -
     out = {}
     for mode in ("eager", "compiled"):
         model = build()
-        run: nn.Module = model
-        if mode == "compiled":
-            try:
-                model.set_fullgraph_compile()
-            except ValueError as e:
-                return {"refused": str(e)}
-            torch._dynamo.reset()
-            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        run = fullgraph_compiled(model) if mode == "compiled" else model
+        if isinstance(run, str):
+            return {"refused": run}
         trained = _train(run, batch, _mse, steps)
         prefix = "_orig_mod."  # the compiled wrapper's names
         grads = {k.removeprefix(prefix): v for k, v in trained["grads"].items()}

@@ -1,6 +1,7 @@
 """What the side-by-side scenario modules share (``dropin_scenarios``,
-``extension_scenarios``, ``shard_dim_scenarios``): the two libraries, the
-CPU meshes and the per-rank inputs. Imports nothing a supported torch lacks."""
+``extension_scenarios``, ``shard_dim_scenarios``, ``nd_scenarios``): the two
+libraries, the CPU meshes, the per-rank inputs, and compiling a model whole
+with traced hooks. Imports nothing a supported torch lacks."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def _mesh(world_size: int, hsdp: bool):
 def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
     return torch.randn(BATCH, DIM, generator=gen)
+
+
+def fullgraph_compiled(model: torch.nn.Module, backend="aot_eager") -> torch.nn.Module | str:
+    """``model`` (an fsdp-rs root) compiled whole with ``fullgraph=True`` after
+    ``set_fullgraph_compile()``, or the message with which that refuses."""
+    try:
+        model.set_fullgraph_compile()
+    except ValueError as e:
+        return str(e)
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True)

@@ -86,3 +86,51 @@ def test_misuse_is_refused_on_every_rank(results, name, error, words):
         assert r["error_type"] == error
         assert words in r["message"]
         assert "head" in r["message"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fullgraph_bf16",
+        "fullgraph_bf16_keep",
+        "fullgraph_bf16_offload",
+        "fullgraph_bf16_frozen",
+        "fullgraph_bf16_hsdp",
+        "fullgraph_pair",
+        "fullgraph_pair_bf16",
+    ],
+)
+def test_fullgraph_matches_eager(results, name):
+    """``torch.compile(model, fullgraph=True)`` after ``set_fullgraph_compile()``
+    traces the extensions ([Note: Extensions under trace]): losses, every
+    local shard and sharded gradient equal eager fsdp-rs's bit for bit, and
+    the graphs AOT autograd compiled hold each group's all-gather in forward
+    and its reduce-scatter in backward, and the all-gather again there for the
+    blocks' weights where they reshard after forward (their biases, plain
+    groups of their own, are not needed in backward). Frozen weights
+    (``_frozen``) get no gradient, as in eager."""
+    biases = 0 if name.startswith("fullgraph_pair") else 2  # the bf16 model has biases
+    groups = 3 + biases  # the head's weight and each block's weights, then biases
+    for rank, r in _each_rank(results, name):
+        assert "refused" not in r, (rank, r.get("refused"))
+        assert r["compiled"] == r["eager"], rank
+        grads = r["compiled"]["grads"]
+        frozen = {n for n in grads if name.endswith("frozen") and n.endswith("lin1.weight")}
+        assert r["eager"]["losses"] and frozen == {n for n, g in grads.items() if g is None}
+        forward = [op for g in r["graphs"] if g["kind"] == "forward" for op in g["ops"]]
+        backward = [op for g in r["graphs"] if g["kind"] == "backward" for op in g["ops"]]
+        assert sum("all_gather_into_tensor" in op for op in forward) == groups, forward
+        # the extension groups gather without the copy-out: the plain ones only
+        assert sum("unshard_copy_out" in op for op in forward) == biases, forward
+        assert sum("reduce_scatter_tensor" in op for op in backward) == groups, backward
+        regathers = sum("all_gather_into_tensor" in op for op in backward)
+        assert regathers == (0 if name.endswith("keep") else 2), backward
+
+
+def test_fullgraph_refuses_an_extension_it_would_lose(results):
+    """``PairV1`` is rebuilt as a ``TwoTensor`` from its inner tensors (the
+    ``__tensor_unflatten__`` it inherits), which would drop its extension under
+    torch.compile: ``set_fullgraph_compile`` says so, on every rank."""
+    for rank, r in _each_rank(results, "fullgraph_pair_v1"):
+        assert "PairV1.__tensor_unflatten__" in r.get("refused", ""), (rank, r)
+        assert "makes a TwoTensor" in r["refused"], rank

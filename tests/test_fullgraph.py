@@ -234,7 +234,19 @@ def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
     model[0].weight = torch.nn.Parameter(PairV1(model[0].weight.detach(), model[0].weight.detach()))
     fully_shard(model[0])
     fully_shard(model)
-    with pytest.raises(ValueError, match="Linear: its parameters are gathered by an all-gather"):
+    # [Note: Extensions under trace] an extension whose class is rebuilt as
+    # another by __tensor_unflatten__, or set on a plain local tensor
+    with pytest.raises(
+        ValueError, match=r"Linear: PairV1\.__tensor_unflatten__ .* makes a TwoTensor"
+    ):
+        model.set_fullgraph_compile()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    local = model[0].weight._local_tensor
+    local.fsdp_pre_all_gather = lambda mesh: ((local,), None)
+    local.fsdp_post_all_gather = lambda outputs, metadata, dtype, out=None: (outputs[0], ())
+    with pytest.raises(ValueError, match="weight is set on its local tensor"):
         model.set_fullgraph_compile()
     model = _model(fake_pg)
     model.set_fullgraph_compile()  # the root now: a nested module is not one

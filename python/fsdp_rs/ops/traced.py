@@ -46,10 +46,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["unshard_copy_out"]
+__all__ = ["Reduction", "reduction", "unshard_copy_out"]
 
 
 @torch.library.custom_op("fsdp_rs::unshard_copy_out", mutates_args=())
@@ -144,82 +145,144 @@ def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
     return [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """The traced backward's gradient reduction of one group (the eager
+    post-backward's ops, with its arguments): ``rows`` shard ranks (1: no
+    reduce-scatter), ``layouts`` (shape, stride, dtype) of the trained
+    parameters' sharded local tensors, which live on ``shard_device`` at
+    ``offsets`` of a row of ``row_numel`` elements laid out as ``tables`` (the
+    gradient layout's ``reduce_scatter_copy_in`` tables) say; ``trained``: the
+    parameters that take gradients, indices into the unsharded ones."""
+
+    rows: int
+    device: torch.device
+    layouts: list
+    shard_device: torch.device
+    offsets: list[int]
+    group_name: str
+    reduce_op: str
+    pre: float
+    post: float
+    reduce_dtype: torch.dtype
+    replicate_group_name: str
+    all_reduce_op: str
+    trained: list[int]
+    tables: tuple
+    row_numel: int
+    chunk_numel: torch.Tensor | None
+
+    @property
+    def reduce_groups(self) -> list[str]:
+        """The process groups the reduction runs a collective over (none on one
+        rank)."""
+        shard_group = self.group_name if self.rows > 1 else ""
+        return [name for name in (shard_group, self.replicate_group_name) if name]
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The sharded gradients of the trained parameters (None where a
+        parameter got none) from ``grads``, one per unsharded parameter."""
+        grads = [grads[i] for i in self.trained]
+        used = [g is not None for g in grads]
+        rs_in = torch.empty(
+            (self.rows, self.row_numel), dtype=self.reduce_dtype, device=self.device
+        )
+        if self.chunk_numel is not None:  # each viewed as planned: (W, numel / W)
+            grads = [None if g is None else g.reshape(self.rows, -1) for g in grads]
+        torch.ops.fsdp_rs.reduce_scatter_copy_in(
+            grads, rs_in, *self.tables, self.pre, self.chunk_numel
+        )
+        functional = torch.ops._c10d_functional
+        if self.rows > 1:
+            output = functional.reduce_scatter_tensor(
+                rs_in.view(-1), self.reduce_op, self.rows, self.group_name
+            )
+            output = functional.wait_tensor(output)
+        else:
+            output = rs_in[0]
+        if self.replicate_group_name:  # HSDP: summed across the replicas as in eager
+            output = functional.all_reduce(output, self.all_reduce_op, self.replicate_group_name)
+            output = functional.wait_tensor(output)
+        if not all(used) and self.reduce_groups:
+            _check_used(used, self)
+        dtype = self.layouts[0][2] if self.layouts else self.reduce_dtype
+        if output.device != self.shard_device:  # CPU offload: post-reduced on the host
+            output = output.to(self.shard_device)
+        row = output.new_empty(self.row_numel, dtype=dtype)
+        torch.ops.fsdp_rs.post_reduce(output, row, self.post, False)
+        return [
+            row.as_strided(shape, stride, offset) if u else None
+            for (shape, stride, _), offset, u in zip(self.layouts, self.offsets, used, strict=True)
+        ]
+
+
+def reduction(
+    rows: int,
+    device: torch.device,
+    sharded: list[torch.Tensor],
+    offsets: list[int],
+    group_name: str,
+    reduce_op: str,
+    pre: float,
+    post: float,
+    reduce_dtype: torch.dtype,
+    replicate_group_name: str,
+    all_reduce_op: str,
+    trained: list[int],
+    grad_tables: list[torch.Tensor],
+    grad_row_numel: int,
+    grad_chunk_numel: torch.Tensor | None,
+) -> Reduction:
+    """The ``Reduction`` of gradients into ``sharded`` (the trained
+    parameters' local tensors; the host's under CPU offload)."""
+    return Reduction(
+        rows,
+        device,
+        [(s.shape, s.stride(), s.dtype) for s in sharded],
+        sharded[0].device if sharded else device,
+        list(offsets),
+        group_name,
+        reduce_op,
+        pre,
+        post,
+        reduce_dtype,
+        replicate_group_name,
+        all_reduce_op,
+        list(trained),
+        tuple(grad_tables),
+        grad_row_numel,
+        grad_chunk_numel,
+    )
+
+
 def _setup_context(ctx, inputs, output) -> None:
     ag, sharded = inputs[:2]
-    ctx.trained, grad_tables, ctx.row_numel, ctx.chunk_numel = inputs[21:]
-    ctx.tables = tuple(grad_tables)  # reduce_scatter_copy_in's
-    ctx.rows = ag.shape[0]
-    ctx.device = ag.device
-    trained = set(ctx.trained)
+    trained = set(inputs[21])
     frozen = [out for i, out in enumerate(output) if i not in trained]
     if frozen:  # no gradient computed for what is not trained
         ctx.mark_non_differentiable(*frozen)
-    ctx.layouts = [(s.shape, s.stride(), s.dtype) for s in sharded]
-    # where the gradients go: the host under CPU offload
-    ctx.shard_device = sharded[0].device if sharded else ag.device
     ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
-    (
-        _,
-        _,
-        _,
-        ctx.offsets,
-        _,
-        ctx.group_name,
-        ctx.reduce_op,
-        ctx.pre,
-        ctx.post,
-        ctx.reduce_dtype,
-        ctx.replicate_group_name,
-        ctx.all_reduce_op,
-        _,
-    ) = inputs[8:21]
-    # the process groups the reduction runs a collective over (none on one rank)
-    shard_group = ctx.group_name if ctx.rows > 1 else ""
-    ctx.reduce_groups = [name for name in (shard_group, ctx.replicate_group_name) if name]
+    ctx.reduction = reduction(
+        ag.shape[0], ag.device, sharded, inputs[11], *inputs[13:20], *inputs[21:]
+    )
+    ctx.n_tables = len(inputs[22])
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
-    grads = [grads[i] for i in ctx.trained]
-    used = [g is not None for g in grads]
-    rs_in = torch.empty((ctx.rows, ctx.row_numel), dtype=ctx.reduce_dtype, device=ctx.device)
-    if ctx.chunk_numel is not None:  # each viewed as planned: (W, numel / W)
-        grads = [None if g is None else g.reshape(ctx.rows, -1) for g in grads]
-    torch.ops.fsdp_rs.reduce_scatter_copy_in(grads, rs_in, *ctx.tables, ctx.pre, ctx.chunk_numel)
-    functional = torch.ops._c10d_functional
-    if ctx.rows > 1:
-        output = functional.reduce_scatter_tensor(
-            rs_in.view(-1), ctx.reduce_op, ctx.rows, ctx.group_name
-        )
-        output = functional.wait_tensor(output)
-    else:
-        output = rs_in[0]
-    if ctx.replicate_group_name:  # HSDP: summed across the replicas as in eager
-        output = functional.all_reduce(output, ctx.all_reduce_op, ctx.replicate_group_name)
-        output = functional.wait_tensor(output)
-    if not all(used) and ctx.reduce_groups:
-        _check_used(used, ctx)
-    dtype = ctx.layouts[0][2] if ctx.layouts else ctx.reduce_dtype
-    if output.device != ctx.shard_device:  # CPU offload: post-reduced on the host, as in eager
-        output = output.to(ctx.shard_device)
-    row = output.new_empty(ctx.row_numel, dtype=dtype)
-    torch.ops.fsdp_rs.post_reduce(output, row, ctx.post, False)
-    sharded = [
-        row.as_strided(shape, stride, offset) if u else None
-        for (shape, stride, _), offset, u in zip(ctx.layouts, ctx.offsets, used, strict=True)
-    ]
+    sharded = ctx.reduction(grads)
     # (grad_tables is a list: its gradients too)
-    return (None, sharded, *([None] * 20), [None] * len(ctx.tables), None, None)
+    return (None, sharded, *([None] * 20), [None] * ctx.n_tables, None, None)
 
 
-def _check_used(used: list[bool], ctx) -> None:
+def _check_used(used: list[bool], reduction: Reduction) -> None:
     """Every rank left the same parameters without a gradient, or this rank
     stops with an error: a gradient kept by one rank only would be dropped from
     the shards of the ranks that have none ([Note: Unused parameters under
     trace])."""
     functional = torch.ops._c10d_functional
-    mine = torch.tensor(used, dtype=torch.int32, device=ctx.device)
+    mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
     anyone = mine
-    for name in ctx.reduce_groups:
+    for name in reduction.reduce_groups:
         anyone = functional.wait_tensor(functional.all_reduce(anyone, "max", name))
     torch._assert_async(
         (anyone == mine).all(),

@@ -35,7 +35,9 @@ their own, [Note: One group per dtype]); methods set on a local shard after
 lazy init, where the group becomes an ``ExtensionParamGroup`` in place (the
 same object: the state, the bundle and the flags set on it stay valid).
 ``reshard_after_forward=int`` reshards such a group fully after forward: FSDP2
-has no post-forward shard of an extension's outputs either.
+has no post-forward shard of an extension's outputs either. Under
+``set_fullgraph_compile`` the same steps are traced ([Note: Extensions under
+trace], ``runtime/traced_extension.py``).
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ partial gradient that eager sums in a wider dtype ([Note: Gradients under
 trace are in the parameter dtype]); several
 modules in one ``fully_shard`` call (the first module's pre-forward gathers,
 the others reuse what it registered: one reduction, as in eager), except at
-the root.
+the root; all-gather extensions that a tensor subclass defines ([Note:
+Extensions under trace]).
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that
 can change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
@@ -81,6 +82,7 @@ from torch.utils.checkpoint import (
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import unshard_copy_out
 from fsdp_rs.runtime.collectives import unreduced_post_divide
+from fsdp_rs.runtime.extensions import ExtensionParamGroup
 from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
 from fsdp_rs.runtime.plan_check import (
     gather_objects,
@@ -91,6 +93,7 @@ from fsdp_rs.runtime.plan_check import (
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
 from fsdp_rs.runtime.traced_dtensor import from_local, local_of
+from fsdp_rs.runtime.traced_extension import extension_gather, untraceable
 from fsdp_rs.runtime.unshard import ShardedState
 
 __all__ = ["TracedGroup", "disable", "enable"]
@@ -149,6 +152,10 @@ class TracedGroup:
         for k, (_, _, i) in enumerate(self.slots):
             first.setdefault(i, k)
         self.first_slots = [first[i] for i in range(len(first))]
+        # [Note: Extensions under trace] the unshard of an extension group
+        self.extension_gather = (
+            extension_gather(self) if isinstance(group, ExtensionParamGroup) else None
+        )
         self.refresh()
 
     def refresh(self) -> None:
@@ -176,8 +183,12 @@ def _static_reason(state, group) -> str | None:
         # its groups are gathered in the root's forward ([Note: The root's groups
         # in its forward]): one module's
         return "it is the root and shards several modules in one fully_shard call"
-    if type(group) not in (FSDPParamGroup, ShardDimGroup):
-        return "its parameters are gathered by an all-gather extension"
+    if type(group) is ExtensionParamGroup:
+        why = untraceable(group)  # [Note: Extensions under trace]
+        if why is not None:
+            return why
+    elif type(group) not in (FSDPParamGroup, ShardDimGroup):
+        return f"its parameters are gathered by a {type(group).__name__}"
     if group.annotations is not None:
         return "its parameters carry spmd_types annotations"
     if group.nd is not None and group.widens_grads:
@@ -342,13 +353,13 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
         return registered
+    if traced.extension_gather is not None:
+        local = [local_of(p) for p in group.sharded_params]
+        flags = (traced.reduce_op, traced.all_reduce_op, traced.pre_divide, traced.post_divide)
+        gather = traced.extension_gather
+        return _recomputed(group, gather, *flags, *traced.grad_tables, *local)
     local = [local_of(group.sharded_params[i]) for i in traced.trained]
-    if group.reshard_after_forward is not False and torch.is_grad_enabled():
-        views = checkpoint(
-            _gather, traced, group.sharded, *local, use_reentrant=False, context_fn=_recompute_all
-        )
-    else:
-        views = _gather(traced, group.sharded, *local)
+    views = _recomputed(group, _gather, traced, group.sharded, *local)
     # DTensor parameters (TP / EP / dp_mesh_dims): the unsharded local tensors
     # as DTensors of the parameters' own specs, handing the copy-out the local
     # tensor of each gradient as the eager post-backward reads it
@@ -356,6 +367,14 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
         v if spec is None else from_local(v, spec, keep)
         for v, spec, keep in zip(views, traced.specs, traced.keep, strict=True)
     ]
+
+
+def _recomputed(group, gather, *args) -> list[torch.Tensor]:
+    """``gather(*args)``; with ``reshard_after_forward`` inside a checkpoint
+    that recomputes all of it in backward."""
+    if group.reshard_after_forward is not False and torch.is_grad_enabled():
+        return checkpoint(gather, *args, use_reentrant=False, context_fn=_recompute_all)
+    return gather(*args)
 
 
 def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:

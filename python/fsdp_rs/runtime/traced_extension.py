@@ -1,0 +1,152 @@
+"""Groups with all-gather extensions under the traced hooks ([Note: Traced
+hooks], [Note: All-gather extensions]).
+
+[Note: Extensions under trace]
+Dynamo cannot call an extension's ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``: they are methods of a tensor subclass, which it has
+no rule for. So such a group's unshard is one function that Dynamo puts in
+the graph as a single call (``torch._dynamo.allow_in_graph``) and AOT autograd
+traces op by op, running the extension's own Python on its fake tensors: the
+eager unshard's steps (each parameter's all-gather inputs, one byte buffer,
+the functional all-gather, each input's bytes back, ``fsdp_post_all_gather``
+without ``out=``), then ``_Bridge``, whose backward is the group's gradient
+reduction (``ops.traced.Reduction``) into the sharded local tensors, as the
+copy-out's formula is for a plain group. The reduction's flags are arguments
+of the call, so that Dynamo guards on them as it does on a plain group's.
+
+AOT autograd rebuilds each local tensor from its inner tensors with its
+class's ``__tensor_unflatten__``, so only an extension that class defines, and
+rebuilds, can run there: ``set_fullgraph_compile`` refuses a group whose
+extension was set on a local tensor's instance (as FSDP2's tests patch them),
+or whose class has no ``__tensor_flatten__`` or rebuilds another class (torch's
+``TwoTensor`` rebuilds a ``TwoTensor`` for every subclass of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fsdp_rs.ops.traced import reduction
+from fsdp_rs.runtime.extensions import _POST, _PRE, _plain, has_extension
+
+__all__ = ["extension_gather", "untraceable"]
+
+
+def untraceable(group) -> str | None:
+    """Why the extensions of ``group`` cannot be traced ([Note: Extensions
+    under trace]), or None."""
+    for fqn, p in zip(group.managed.fqns, group.sharded_params, strict=True):
+        local = p._local_tensor
+        if not has_extension(local):
+            continue
+        cls = type(local)
+        if _PRE in vars(local) or _POST in vars(local):
+            return (
+                f"the all-gather extension of parameter {fqn} is set on its local tensor, "
+                "which torch.compile cannot see: define it on a tensor subclass"
+            )
+        flatten = getattr(local, "__tensor_flatten__", None)
+        if flatten is None:
+            return (
+                f"parameter {fqn}'s local tensor is a {cls.__name__}, which torch.compile "
+                "cannot trace (it has no __tensor_flatten__ / __tensor_unflatten__)"
+            )
+        names, meta = flatten()
+        inner = {name: getattr(local, name) for name in names}
+        rebuilt = cls.__tensor_unflatten__(inner, meta, local.size(), local.stride())
+        if type(rebuilt) is not cls:
+            return (
+                f"{cls.__name__}.__tensor_unflatten__ (parameter {fqn}) makes a "
+                f"{type(rebuilt).__name__}, so torch.compile would lose its all-gather "
+                f"extension: make it return a {cls.__name__}"
+            )
+    return None
+
+
+class _Bridge(torch.autograd.Function):
+    """The unsharded parameters an extension made (not differentiable: made
+    from the all-gather) passed through, with the group's gradient reduction
+    into the trained parameters' sharded local tensors as their backward."""
+
+    @staticmethod
+    def forward(ctx, reduce, count: int, *tensors):  # type: ignore[override]
+        ctx.reduce, ctx.count = reduce, count
+        ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
+        outs = tuple(t.view_as(t) for t in tensors[:count])
+        trained = set(reduce.trained)
+        frozen = [out for i, out in enumerate(outs) if i not in trained]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        sharded = ctx.reduce([_plain(g) for g in grads])
+        return (None, None, *([None] * ctx.count), *sharded)
+
+
+def extension_gather(traced) -> Callable:
+    """The unshard of ``traced``'s extension group: a function of the
+    reduction flags, the gradient layout's tables and every parameter's local
+    tensor that returns the unsharded parameters ([Note: Extensions under
+    trace])."""
+    group = traced.group
+
+    count = len(traced.grad_tables)
+
+    def gather(reduce_op, all_reduce_op, pre, post, *tensors):
+        # tensors: the gradient layout's tables (graph inputs, as every tensor
+        # the graph reads must be), then every parameter's local tensor
+        tables, local = tensors[:count], tensors[count:]
+        chunks = group.plan.chunk_rows.tolist()
+        world = traced.world
+        with torch.no_grad():  # as the eager unshard
+            per_param = [group._inputs_of(i, t, chunks[i]) for i, t in enumerate(local)]
+            inputs = [t for ins, _ in per_param for t in ins]
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+            if world > 1:
+                functional = torch.ops._c10d_functional
+                gathered = functional.all_gather_into_tensor(flat, world, traced.group_name)
+                gathered = functional.wait_tensor(gathered)
+            else:
+                gathered = flat
+            gathered = gathered.view(world, -1)
+            unsharded, offset = [], 0
+            for i, (ins, metadata) in enumerate(per_param):
+                outputs = []
+                for t in ins:
+                    nbytes = t.numel() * t.element_size()
+                    data = gathered[:, offset : offset + nbytes].contiguous().view(t.dtype)
+                    outputs.append(data.view(-1, *t.shape[1:]))
+                    offset += nbytes
+                extension = getattr(local[i], _POST, None)
+                if extension is None:  # the all-gather output is the parameter's data
+                    tensor = outputs[0]
+                else:
+                    tensor, _ = extension(tuple(outputs), metadata, group.param_dtype)
+                unsharded.append(torch.as_strided(tensor, group.shapes[i], group.strides[i], 0))
+        if not traced.trained:
+            return unsharded
+        reduce = reduction(
+            world,
+            group.device,
+            [local[i] for i in traced.trained],
+            traced.grad_offsets,
+            traced.group_name,
+            reduce_op,
+            pre,
+            post,
+            group.reduce_dtype,
+            traced.replicate_name,
+            all_reduce_op,
+            traced.trained,
+            tables,
+            traced.grad_row_numel,
+            None,
+        )
+        trained = [local[i] for i in traced.trained]
+        return list(_Bridge.apply(reduce, len(unsharded), *unsharded, *trained))
+
+    return torch._dynamo.allow_in_graph(gather)
