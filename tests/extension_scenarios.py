@@ -176,10 +176,13 @@ def _observe(model: nn.Module) -> dict:
     }  # fmt: skip
 
 
-def _train(model: nn.Module, rank: int, accumulate: bool = False) -> list:
+def _train(model: nn.Module, rank: int, accumulate: bool = False, after_first=None) -> list:
+    """Losses of ``STEPS`` Adam steps; ``after_first()`` is called after the first."""
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
+        if step == 1 and after_first is not None:
+            after_first()
         if accumulate:
             model.set_requires_gradient_sync(False)
             model(_inputs(rank, step, 1)).sum().backward()
@@ -244,17 +247,20 @@ def fullgraph(
     kind: str,
     hsdp: bool = False,
     frozen: bool = False,
+    compiler: str = "aot_eager",
     **shard_kwargs,
 ) -> dict:
     """Training with parameters of an extension subclass, eager and compiled
     whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
     (aot_eager, with the ops of each graph it compiled listed);
     ``{"refused": message}`` where it refuses. ``hsdp``: a (2, W / 2) mesh;
-    ``frozen``: the blocks' first weights frozen, beside trained ones."""
+    ``frozen``: the blocks' first weights frozen, beside trained ones;
+    ``compiler``: "aot_eager" or "inductor" (whose graphs are not listed)."""
     from fullgraph_scenarios import ListingBackend
 
     wrap, model_kwargs = _subclass(kind, shard_kwargs)
-    backend = ListingBackend("aot_eager")
+    backend = ListingBackend(compiler)
+    first_step = []
     out = {}
     for mode in ("eager", "compiled"):
         model = _model(wrap, **model_kwargs)
@@ -264,8 +270,15 @@ def fullgraph(
         run = fullgraph_compiled(model, backend) if mode == "compiled" else model
         if isinstance(run, str):
             return {"refused": run}
-        losses = _train(run, rank)
+
+        def count() -> None:
+            first_step.append(backend.dynamo_graphs)
+
+        losses = _train(run, rank, after_first=count if mode == "compiled" else None)
         out[mode] = {"losses": losses, **_observe(model)}
+    # Dynamo's graphs after the first step and at the end (no recompiles), and
+    # the ops of the graphs AOT autograd compiled
+    out["dynamo_graphs"] = [*first_step, backend.dynamo_graphs]
     out["graphs"] = backend.graphs
     return out
 
@@ -386,6 +399,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "fullgraph_bf16_offload": (fullgraph, {"kind": "bf16", "offload": True}),
     "fullgraph_bf16_frozen": (fullgraph, {"kind": "bf16", "frozen": True}),
     "fullgraph_bf16_hsdp": (fullgraph, {"kind": "bf16", "hsdp": True, "min_world": 4}),
+    "fullgraph_bf16_inductor": (fullgraph, {"kind": "bf16", "compiler": "inductor"}),
     "patched": (patched, {}),
     "patched_hsdp": (patched, {"hsdp": True, "min_world": 4}),
     "one_sided": (one_sided, {}),

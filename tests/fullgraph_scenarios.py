@@ -152,7 +152,7 @@ def _from_unshard(node: torch.fx.Node) -> bool:
     """Whether ``node`` is an unsharded buffer (``fsdp_rs.unshard_copy_out``'s
     output) or a view of one: what a forward graph must not save for backward
     when it reshards after forward."""
-    while node.op == "call_function":
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
         name = str(node.target)
         if "unshard_copy_out" in name:
             return True

@@ -285,17 +285,29 @@ def _eager_and_compiled(build: Callable[[], nn.Module], batch, steps: int = 3) -
     """The model ``build()`` makes trained eager and, built again, compiled
     whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
     (aot_eager), the same steps (``{"refused": message}`` where
-    ``set_fullgraph_compile`` refuses)."""
+    ``set_fullgraph_compile`` refuses); ``"dynamo_graphs"``: how many graphs
+    Dynamo had compiled after the first step and at the end."""
+    from fullgraph_scenarios import ListingBackend
+
+    backend = ListingBackend("aot_eager")
+    first_step = []
+
+    def counted(step: int) -> torch.Tensor:
+        if step == 1:
+            first_step.append(backend.dynamo_graphs)
+        return batch(step)
+
     out = {}
     for mode in ("eager", "compiled"):
         model = build()
-        run = fullgraph_compiled(model) if mode == "compiled" else model
+        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
         if isinstance(run, str):
             return {"refused": run}
-        trained = _train(run, batch, _mse, steps)
+        trained = _train(run, counted if mode == "compiled" else batch, _mse, steps)
         prefix = "_orig_mod."  # the compiled wrapper's names
         grads = {k.removeprefix(prefix): v for k, v in trained["grads"].items()}
         out[mode] = {**trained, "grads": grads, "params": _params(model)}
+    out["dynamo_graphs"] = [*first_step, backend.dynamo_graphs]
     return out
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from extension_scenarios import SCENARIOS, run
@@ -114,6 +115,8 @@ def test_fullgraph_matches_eager(results, name):
     for rank, r in _each_rank(results, name):
         assert "refused" not in r, (rank, r.get("refused"))
         assert r["compiled"] == r["eager"], rank
+        first_step, total = r["dynamo_graphs"]
+        assert total == first_step >= 1, r["dynamo_graphs"]  # no recompiles
         grads = r["compiled"]["grads"]
         frozen = {n for n in grads if name.endswith("frozen") and n.endswith("lin1.weight")}
         assert r["eager"]["losses"] and frozen == {n for n, g in grads.items() if g is None}
@@ -125,6 +128,25 @@ def test_fullgraph_matches_eager(results, name):
         assert sum("reduce_scatter_tensor" in op for op in backward) == groups, backward
         regathers = sum("all_gather_into_tensor" in op for op in backward)
         assert regathers == (0 if name.endswith("keep") else 2), backward
+
+
+def test_fullgraph_inductor_matches_eager(results):
+    """The bf16-gathered weights compiled whole by inductor: losses, shards and
+    gradients equal eager's within inductor's usual rounding (compile_scenarios'
+    fp32 tolerance), no recompiles."""
+    from compile_scenarios import INDUCTOR_TOLERANCE
+
+    tol = INDUCTOR_TOLERANCE[False]
+    for rank, r in _each_rank(results, "fullgraph_bf16_inductor"):
+        assert "refused" not in r, (rank, r.get("refused"))
+        first_step, total = r["dynamo_graphs"]
+        assert total == first_step >= 1, r["dynamo_graphs"]
+        compiled, eager = r["compiled"], r["eager"]
+        torch.testing.assert_close(compiled["losses"], eager["losses"], **tol)
+        for key in ("params", "grads"):
+            for name, value in eager[key].items():
+                actual = torch.tensor(compiled[key][name])
+                torch.testing.assert_close(actual, torch.tensor(value), **tol)
 
 
 def test_fullgraph_refuses_an_extension_it_would_lose(results):

@@ -89,7 +89,8 @@ def test_fullgraph_matches_eager(results, name):
     would double the gradient norm), and those it leaves ``Replicate()`` (one
     batch on every rank) as they are, as eager sums them. Where torch's FSDP2
     reduces a TP partial gradient in the wider reduce dtype (torch >= 2.15,
-    bf16 parameters), set_fullgraph_compile refuses."""
+    bf16 parameters), set_fullgraph_compile refuses. No recompiles after the
+    first step."""
     from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
     refuses = _FULLGRAPH[name] and fsdp2_has_grad_dtype_policy()
@@ -100,6 +101,8 @@ def test_fullgraph_matches_eager(results, name):
         assert "refused" not in r, (rank, r["refused"] if "refused" in r else None)
         _assert_same(rank, r["compiled"], r["eager"])
         _assert_observed(rank, r["compiled"])
+        first_step, total = r["dynamo_graphs"]
+        assert total == first_step >= 1, r["dynamo_graphs"]  # no recompiles
 
 
 def test_meta_init_stays_on_meta(results):
