@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from scenario_common import LIBS, _inputs
+from scenario_common import LIBS, _inputs, train_adamw
 from spawned import run_named
 
 try:  # torch >= 2.13
@@ -75,16 +75,14 @@ def _observe(model: nn.Module, grads: bool = False) -> dict:
 def _train(lib: str, model: nn.Module, rank: int, **kwargs) -> dict:
     LIBS[lib](model, **kwargs)
     sharded = _observe(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    losses, grads = [], {}
-    for step in range(STEPS):
+
+    def step_loss(step: int) -> float:
         loss = model(_inputs(rank, step)).pow(2).mean()
         loss.backward()
-        losses.append(loss.item())
-        if step == STEPS - 1:
-            grads = _observe(model, grads=True)
-        optim.step()
-        optim.zero_grad()
+        return loss.item()
+
+    observe = functools.partial(_observe, model, grads=True)
+    losses, grads = train_adamw(model, step_loss, STEPS, observe)
     return {"sharded": sharded, "losses": losses, "grads": grads, "params": _observe(model)}
 
 

@@ -5,6 +5,8 @@ with traced hooks. Imports nothing a supported torch lacks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -36,3 +38,21 @@ def fullgraph_compiled(model: torch.nn.Module, backend="aot_eager") -> torch.nn.
         return str(e)
     torch._dynamo.reset()
     return torch.compile(model, backend=backend, fullgraph=True)
+
+
+def train_adamw(
+    model: torch.nn.Module, step_loss: Callable[[int], float], steps: int, grads: Callable
+) -> tuple[list[float], object]:
+    """``steps`` AdamW steps (foreach=False) of ``model``'s parameters:
+    ``step_loss(step)`` runs a forward and backward and returns the loss;
+    ``grads()`` observes the last step's gradients before its optimizer step.
+    Returns the losses and that observation."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses, observed = [], None
+    for step in range(steps):
+        losses.append(step_loss(step))
+        if step == steps - 1:
+            observed = grads()
+        optim.step()
+        optim.zero_grad()
+    return losses, observed

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from scenario_common import LIBS
+from scenario_common import LIBS, fullgraph_compiled, train_adamw
 from spawned import run_named
 
 try:
@@ -43,7 +43,7 @@ AVAILABLE = (
     and hasattr(torch_fsdp, "DataParallelMeshDims")
     and getattr(dist, "_is_spmd_types_available", lambda: False)()
 )
-DIM, HIDDEN, BATCH = 16, 32, 4
+DIM, HIDDEN, BATCH, STEPS = 16, 32, 4, 3
 _FP32 = {"op_dtype": torch.float32}  # gradient reductions of bf16 activations
 
 
@@ -269,6 +269,45 @@ def training(
     return out
 
 
+def fullgraph(world_size: int, rank: int, tp: int = 1, cp: bool = False, **kwargs) -> dict:
+    """fsdp-rs trained eager and compiled whole with ``fullgraph=True`` after
+    ``set_fullgraph_compile()`` (aot_eager), type checking off: losses, the
+    last step's sharded gradients, the trained parameters, and how many graphs
+    Dynamo compiled after the first step and in all (``{"refused": message}``
+    where ``set_fullgraph_compile`` refuses)."""
+    if not AVAILABLE:
+        return {"skipped": "no spmd_types"}
+    from fullgraph_scenarios import ListingBackend
+
+    if kwargs.pop("bf16", False):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    mesh = _mesh(world_size, tp, cp)
+    dp, _ = _dp_rank_size(mesh)
+    backend = ListingBackend("aot_eager")
+    out: dict = {}
+    for mode in ("eager", "compiled"):
+        model = _shard("rs", Net(mesh), mesh, **kwargs)
+        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
+        if isinstance(run, str):
+            return {"refused": run}
+
+        def step_loss(step: int, run=run, mode=mode) -> float:
+            if step == 1 and mode == "compiled":
+                out["dynamo_graphs"] = [backend.dynamo_graphs]
+            with spmd.set_current_mesh(mesh):
+                loss = run(_batch(dp, step)).float().pow(2).mean()
+                loss.backward()
+            return loss.item()
+
+        observe = functools.partial(_observe, model, grads=True)
+        losses, grads = train_adamw(model, step_loss, STEPS, observe)
+        out[mode] = {"losses": losses, "grads": grads, "params": _observe(model)}
+    out["dynamo_graphs"].append(backend.dynamo_graphs)
+    return out
+
+
 def _types(t: torch.Tensor) -> str:
     """A tensor's spmd_types local type, in a form JSON keeps."""
     return str(sorted((str(k), str(v)) for k, v in spmd.get_local_type(t).items()))
@@ -328,6 +367,11 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "dp_cp": (training, {"cp": True, "min_world": 4}),
     "dp_cp_typechecked": (training, {"cp": True, "typecheck": True, "min_world": 4}),
     "errors": (errors, {}),
+    "fullgraph": (fullgraph, {}),
+    "fullgraph_bf16": (fullgraph, {"bf16": True}),
+    "fullgraph_tp": (fullgraph, {"tp": 2, "min_world": 4}),
+    "fullgraph_cp": (fullgraph, {"cp": True, "min_world": 4}),
+    "fullgraph_tp_bf16": (fullgraph, {"tp": 2, "bf16": True, "min_world": 4}),
 }
 
 

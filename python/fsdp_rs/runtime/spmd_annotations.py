@@ -19,6 +19,9 @@ differences:
 - its gradient arrives plain and is read as a DTensor of the backward types
   (``R`` -> ``Partial``, ``P`` -> ``R``, ``I`` and ``S(d)`` unchanged) before
   the DTensor path brings its non-DP dims to the storage placements.
+
+Under ``set_fullgraph_compile`` the traced hooks do the same in the graph
+(``traced_dtensor.typed_local``), with type checking off.
 """
 
 from __future__ import annotations

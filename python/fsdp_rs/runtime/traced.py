@@ -52,9 +52,10 @@ group's gradient layout, as in eager); DTensor parameters of tensor or expert
 parallelism (the unsharded local tensors wrapped by ``DTensor.from_local``
 with the parameters' own specs, whose backward brings a gradient to those
 placements as the eager post-backward does), ``dp_mesh_dims`` included
-([Note: DP dims under trace]), but not spmd_types annotations, or a TP
-partial gradient that eager sums in a wider dtype ([Note: Gradients under
-trace are in the parameter dtype]); several
+([Note: DP dims under trace]), and spmd_types parameters (computed with
+plain, each gradient read in its backward types, [Note: spmd_types
+parameters]), but not a TP partial gradient that eager sums in a wider dtype
+([Note: Gradients under trace are in the parameter dtype]); several
 modules in one ``fully_shard`` call (the first module's pre-forward gathers,
 the others reuse what it registered: one reduction, as in eager), except at
 the root; all-gather extensions that a tensor subclass defines ([Note:
@@ -92,7 +93,7 @@ from fsdp_rs.runtime.plan_check import (
 )
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
-from fsdp_rs.runtime.traced_dtensor import from_local, local_of
+from fsdp_rs.runtime.traced_dtensor import from_local, local_of, typed_local
 from fsdp_rs.runtime.traced_extension import extension_gather, untraceable
 from fsdp_rs.runtime.unshard import ShardedState
 
@@ -123,7 +124,12 @@ class TracedGroup:
         self.tables = group.tables.copy_out_args()
         # [Note: DTensor parameters] the unsharded parameters' own specs (TP / EP)
         nd = group.nd or [None] * len(shapes)
-        self.specs = [None if d is None else d.unsharded_spec(group.param_dtype) for d in nd]
+        # [Note: spmd_types parameters] an annotated one is computed with plain
+        self.typed = [None if d is None or d.annotation is None else typed_local(d) for d in nd]
+        self.specs = [
+            None if d is None or d.annotation is not None else d.unsharded_spec(group.param_dtype)
+            for d in nd
+        ]
         self.keep = [() if d is None else tuple(sorted(d.keep_on_dims)) for d in nd]
         # sharded on another dim: the copies' chunk table (made here, eagerly)
         shard_dim = isinstance(group, ShardDimGroup)
@@ -189,8 +195,6 @@ def _static_reason(state, group) -> str | None:
             return why
     elif type(group) not in (FSDPParamGroup, ShardDimGroup):
         return f"its parameters are gathered by a {type(group).__name__}"
-    if group.annotations is not None:
-        return "its parameters carry spmd_types annotations"
     if group.nd is not None and group.widens_grads:
         # [Note: Gradients under trace are in the parameter dtype]
         if any(nd is not None and nd.reduces_outside_dp for nd in group.nd):
@@ -364,8 +368,8 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
     # as DTensors of the parameters' own specs, handing the copy-out the local
     # tensor of each gradient as the eager post-backward reads it
     return [
-        v if spec is None else from_local(v, spec, keep)
-        for v, spec, keep in zip(views, traced.specs, traced.keep, strict=True)
+        typed(v) if typed is not None else v if spec is None else from_local(v, spec, keep)
+        for v, typed, spec, keep in zip(views, traced.typed, traced.specs, traced.keep, strict=True)
     ]
 
 

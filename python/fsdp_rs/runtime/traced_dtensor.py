@@ -1,16 +1,18 @@
 """The DTensor ends of the traced hooks ([Note: Traced hooks]): the sharded
 parameters' local tensors going in, the unsharded parameters as DTensors of
-their own specs coming out, each with the backward the eager post-backward
-gives their gradients."""
+their own specs (or, annotated with spmd_types, plain) coming out, each with
+the backward the eager post-backward gives their gradients."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _ToTorchTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["from_local", "local_of"]
+__all__ = ["from_local", "local_of", "typed_local"]
 
 
 class _LocalOf(_ToTorchTensor):
@@ -96,3 +98,35 @@ def from_local(local: torch.Tensor, spec: DTensorSpec, keep: tuple[int, ...]) ->
     return DTensor.from_local(
         local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
     )
+
+
+class _TypedLocal(torch.autograd.Function):
+    """An annotated parameter's plain unsharded tensor, passed through; its
+    backward reads the plain gradient as the DTensor of the parameter's
+    backward types and brings it to the local tensor eager reduces
+    (``DTensorParam.typed_grad`` then ``local_grad``, [Note: spmd_types
+    parameters])."""
+
+    @staticmethod
+    def forward(ctx, local, nd):  # type: ignore[override]
+        ctx.nd = nd
+        ctx.set_materialize_grads(False)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None:
+            return None, None
+        return ctx.nd.local_grad(ctx.nd.typed_grad(grad)), None
+
+
+def typed_local(nd) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``_TypedLocal`` of the annotated parameter ``nd`` (a ``DTensorParam``)
+    as a function of the tensor alone, which Dynamo puts in the graph as one
+    call (it cannot build the gradient's DTensor itself); AOT autograd traces
+    its backward."""
+
+    def typed(local: torch.Tensor) -> torch.Tensor:
+        return _TypedLocal.apply(local, nd)
+
+    return torch._dynamo.allow_in_graph(typed)
