@@ -59,7 +59,7 @@ parameters]), but not a TP partial gradient that eager sums in a wider dtype
 modules in one ``fully_shard`` call (the first module's pre-forward gathers,
 the others reuse what it registered: one reduction, as in eager), except at
 the root; all-gather extensions that a tensor subclass defines ([Note:
-Extensions under trace]).
+Extensions under trace]); frozen groups of any dtype, gathered as raw bits.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that
 can change later and that this path does not follow (no gradient sync, the
 replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
@@ -80,7 +80,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
 from fsdp_rs.ops.traced import unshard_copy_out
 from fsdp_rs.runtime.collectives import unreduced_post_divide
 from fsdp_rs.runtime.extensions import ExtensionParamGroup
@@ -203,7 +203,10 @@ def _static_reason(state, group) -> str | None:
                 "wider reduce dtype, which the traced hooks cannot do"
             )
     if group.orig_dtype not in FLOAT_DTYPES or group.param_dtype not in FLOAT_DTYPES:
-        return f"its dtype {group.orig_dtype} is not floating point"
+        # frozen: gathered as raw bits, as in eager ([Note: Raw copies]); the
+        # reduction's arithmetic is the FLOAT_DTYPES'
+        if any(p.requires_grad for p in group.sharded_params):
+            return f"its dtype {group.orig_dtype} is not floating point and it trains"
     return None
 
 
@@ -322,9 +325,11 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
     if source.dtype != group.param_dtype:
         source = source.to(group.param_dtype)
     if traced.world > 1:
+        # bytes are bytes: a dtype the backend may not know (float8 or bool on
+        # gloo) goes as its same-width integers ([Note: Raw copies])
         functional = torch.ops._c10d_functional
-        ag = functional.all_gather_into_tensor(source, traced.world, traced.group_name)
-        ag = functional.wait_tensor(ag).view(traced.world, -1)
+        ag = functional.all_gather_into_tensor(bits(source), traced.world, traced.group_name)
+        ag = functional.wait_tensor(ag).view(source.dtype).view(traced.world, -1)
     else:
         ag = source.view(1, -1)
     unsharded = unshard_copy_out(
