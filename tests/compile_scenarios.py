@@ -184,6 +184,11 @@ def sharded_model(
         for block in model.blocks:
             for p in block.parameters():
                 p.requires_grad_(p.ndim < 2)
+    if spec.get("gathered"):  # the blocks' matrices all-gathered in bf16 (an extension)
+        from extension_scenarios import Bf16Gathered
+
+        for linear in (m for m in model.blocks.modules() if isinstance(m, nn.Linear)):
+            linear.weight = nn.Parameter(Bf16Gathered(linear.weight.detach().clone()))
     blocks = list(model.blocks)
     if spec.get("multi"):  # the last block and the final norm in one call
         fs([blocks.pop(), model.norm], **kwargs)
