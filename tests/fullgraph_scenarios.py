@@ -32,7 +32,10 @@ STEPS = 5
 # the matrices sharded on dim 1 (shard_placement_fn); ``flat``: fsdp_rs's
 # FlatOptimizer(AdamW) with weight decay, not SGD; ``offload``: CPUOffloadPolicy;
 # ``multi``: the last block and the final norm sharded by one fully_shard call;
-# ``frozen``: the blocks' matrices frozen, their biases and norms trained. The
+# ``frozen``: the blocks' matrices frozen, their biases and norms trained;
+# ``gathered``: the blocks' matrices all-gathered in bf16 by an all-gather
+# extension (``extension_scenarios.Bf16Gathered``; their graphs are listed by
+# ``test_extensions.py``). The
 # rest as in compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
@@ -46,6 +49,7 @@ FULLGRAPH_BASE = {
     "offload": False,
     "multi": False,
     "frozen": False,
+    "gathered": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -75,6 +79,7 @@ _CONFIGS = {
     "aot_eager_hsdp": {"backend": "aot_eager", "hsdp": True, "spare": True},
     "aot_eager_shard1": {"backend": "aot_eager", "shard1": True},
     "aot_eager_multi": {"backend": "aot_eager", "multi": True},
+    "aot_eager_gathered": {"backend": "aot_eager", "gathered": True},
     # CPUOffloadPolicy (on CPU the copies to and from the device are no-ops;
     # test_fullgraph_offload_cuda runs them on a GPU), bf16 params
     "aot_eager_offload_bf16": {"backend": "aot_eager", "offload": True, "bf16": True},
@@ -202,6 +207,11 @@ class ListingBackend:
         )(gm, inputs)
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the data of an all-gather extension's subclass (``gathered``)."""
+    return getattr(t, "_data", t)
+
+
 def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     """Losses and final full parameters; compiled, what was compiled."""
     model = _model(spec, world_size)
@@ -237,7 +247,7 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
             first_step = backend.dynamo_graphs
     result: dict[str, Any] = {
         "losses": losses,
-        "params": [p.full_tensor().float().tolist() for p in model.parameters()],
+        "params": [_plain(p.full_tensor()).float().tolist() for p in model.parameters()],
         "no_grad": no_grad,  # parameters without a gradient at the last step
     }
     if backend is not None:
