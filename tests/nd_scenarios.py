@@ -281,15 +281,17 @@ def tp_mlp(
     return out
 
 
-def _eager_and_compiled(build: Callable[[], nn.Module], batch, steps: int = 3) -> dict:
+def _eager_and_compiled(
+    build: Callable[[], nn.Module], batch, steps: int = 3, compiler: str = "aot_eager"
+) -> dict:
     """The model ``build()`` makes trained eager and, built again, compiled
     whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
-    (aot_eager), the same steps (``{"refused": message}`` where
+    (``compiler``), the same steps (``{"refused": message}`` where
     ``set_fullgraph_compile`` refuses); ``"dynamo_graphs"``: how many graphs
     Dynamo had compiled after the first step and at the end."""
     from fullgraph_scenarios import ListingBackend
 
-    backend = ListingBackend("aot_eager")
+    backend = ListingBackend(compiler)
     first_step = []
 
     def counted(step: int) -> torch.Tensor:
@@ -476,7 +478,9 @@ def spmd_dp_mesh_dims(world_size: int, rank: int, tp: int = 2, steps: int = 2) -
     return out
 
 
-def spmd_fullgraph(world_size: int, rank: int, tp: int = 2, mp: bool = False) -> dict:
+def spmd_fullgraph(
+    world_size: int, rank: int, tp: int = 2, mp: bool = False, compiler: str = "aot_eager"
+) -> dict:
     """fsdp-rs in torch's SPMD form (``spmd_dp_mesh_dims``), eager and compiled
     whole with ``fullgraph=True`` (``_eager_and_compiled``): the gradients
     autograd leaves ``Partial`` on the dp dim are summed by the reduce-scatter,
@@ -504,7 +508,7 @@ def spmd_fullgraph(world_size: int, rank: int, tp: int = 2, mp: bool = False) ->
         gen = torch.Generator().manual_seed(1000 * dp + step)
         return torch.randn(BATCH, DIM, generator=gen)
 
-    return _eager_and_compiled(build, batch)
+    return _eager_and_compiled(build, batch, compiler=compiler)
 
 
 class _DPNet(nn.Module):
@@ -694,6 +698,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "spmd_several_shard_dims": (spmd_several_shard_dims, {"min_world": 4}),
     "spmd_fullgraph": (spmd_fullgraph, {"tp": 1}),
     "spmd_fullgraph_tp": (spmd_fullgraph, {"min_world": 4}),
+    "spmd_fullgraph_inductor": (spmd_fullgraph, {"tp": 1, "compiler": "inductor"}),
     "spmd_fullgraph_tp_bf16": (spmd_fullgraph, {"mp": True, "min_world": 4}),
     "spmd_fullgraph_several": (spmd_fullgraph_several, {"min_world": 4}),
     "spmd_hsdp": (spmd_several_shard_dims, {"hsdp": True, "min_world": 4}),

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from nd_scenarios import SCENARIOS, run
@@ -34,6 +35,19 @@ def _assert_same(rank: int, rs, ref, path: str = "") -> None:
             _assert_same(rank, rs[key], ref[key], f"{path}.{key}" if path else key)
     else:
         assert rs == ref, f"rank {rank}: {path} differs from torch FSDP2: {rs} != {ref}"
+
+
+def _assert_close(compiled: dict, eager: dict) -> None:
+    """Losses, gradient norms and trained values within compile_scenarios'
+    fp32 inductor tolerance."""
+    from compile_scenarios import INDUCTOR_TOLERANCE
+
+    tol = INDUCTOR_TOLERANCE[False]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(compiled[key], eager[key], **tol)
+    for name, p in eager["params"].items():
+        actual = torch.tensor(compiled["params"][name]["full"])
+        torch.testing.assert_close(actual, torch.tensor(p["full"]), **tol)
 
 
 def _assert_observed(rank: int, r: dict) -> None:
@@ -75,6 +89,7 @@ _FULLGRAPH = {
     "spmd_fullgraph_several": False,
     "spmd_fullgraph_replicated_batch": False,
     "spmd_fullgraph_hsdp": False,
+    "spmd_fullgraph_inductor": False,
 }
 
 
@@ -99,7 +114,10 @@ def test_fullgraph_matches_eager(results, name):
             assert "reduced over tensor parallelism" in r.get("refused", ""), (rank, r)
             continue
         assert "refused" not in r, (rank, r["refused"] if "refused" in r else None)
-        _assert_same(rank, r["compiled"], r["eager"])
+        if name.endswith("inductor"):  # within inductor's usual rounding (fp32)
+            _assert_close(r["compiled"], r["eager"])
+        else:
+            _assert_same(rank, r["compiled"], r["eager"])
         _assert_observed(rank, r["compiled"])
         first_step, total = r["dynamo_graphs"]
         assert total == first_step >= 1, r["dynamo_graphs"]  # no recompiles
