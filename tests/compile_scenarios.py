@@ -39,7 +39,7 @@ HOWS = ("model", "blocks", "model_method", "blocks_method")
 # reshard_after_forward of every fully_shard call; ``ac``: torch.utils.checkpoint
 # inside each block; ``loop``: the model's forward loops over its blocks (Dynamo
 # then runs that frame eager after a break in it) or calls them one by one
-# (Dynamo resumes after each hook).
+# (Dynamo resumes after each hook); ``fullgraph`` (per block only).
 BASE = {"dynamic": None, "bf16": False, "raf": True, "ac": False, "loop": True}
 _CONFIGS = {
     # every way of calling compile with each backend; the other options rotate
@@ -81,6 +81,13 @@ _CONFIGS = {
         "backend": "aot_eager",
         "bf16": True,
         "ac": True,
+    },
+    # torchtitan's call: each block.compile(fullgraph=True); the hooks run eager
+    # around the compiled blocks (Dynamo skips module hooks there, as for FSDP2)
+    "blocks_method_aot_eager_fullgraph": {
+        "how": "blocks_method",
+        "backend": "aot_eager",
+        "fullgraph": True,
     },
     "blocks_method_eager_dynamic_noraf": {
         "how": "blocks_method",
@@ -201,6 +208,8 @@ def sharded_model(
 def compile_model(model: Model, spec: dict, backend: Callable) -> nn.Module:
     """``model`` compiled as ``spec['how']`` says; returns what to call."""
     options = {"backend": backend, "dynamic": spec["dynamic"]}
+    if spec.get("fullgraph"):  # per block, as torchtitan compiles its blocks
+        options["fullgraph"] = True
     how = spec["how"]
     if how == "model":
         return torch.compile(model, **options)
