@@ -255,6 +255,20 @@ def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
     local.fsdp_post_all_gather = lambda outputs, metadata, dtype, out=None: (outputs[0], ())
     with pytest.raises(ValueError, match="weight is set on its local tensor"):
         model.set_fullgraph_compile()
+    from extension_scenarios import PairKept
+
+    class Unrebuildable(PairKept):
+        @staticmethod
+        def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+            raise RuntimeError("no")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    weight = model[0].weight.detach()
+    model[0].weight = torch.nn.Parameter(Unrebuildable(weight, weight.clone()))
+    fully_shard(model[0])
+    fully_shard(model)
+    with pytest.raises(ValueError, match="__tensor_flatten__ raised RuntimeError: no"):
+        model.set_fullgraph_compile()
     model = _model(fake_pg)
     model.set_fullgraph_compile()  # the root now: a nested module is not one
     with pytest.raises(ValueError, match="must be called on the root"):

@@ -53,9 +53,15 @@ def untraceable(group) -> str | None:
                 f"parameter {fqn}'s local tensor is a {cls.__name__}, which torch.compile "
                 "cannot trace (it has no __tensor_flatten__ / __tensor_unflatten__)"
             )
-        names, meta = flatten()
-        inner = {name: getattr(local, name) for name in names}
-        rebuilt = cls.__tensor_unflatten__(inner, meta, local.size(), local.stride())
+        try:
+            names, meta = flatten()
+            inner = {name: getattr(local, name) for name in names}
+            rebuilt = cls.__tensor_unflatten__(inner, meta, local.size(), local.stride())
+        except Exception as e:  # torch.compile would call them too
+            return (
+                f"rebuilding parameter {fqn}'s local tensor ({cls.__name__}) from its "
+                f"__tensor_flatten__ raised {type(e).__name__}: {e}"
+            )
         if type(rebuilt) is not cls:
             return (
                 f"{cls.__name__}.__tensor_unflatten__ (parameter {fqn}) makes a "
