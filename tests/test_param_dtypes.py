@@ -160,16 +160,23 @@ def results(request, tmp_path_factory):
     return world_size, read_ranks(out, world_size), failure
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_frozen_params_of_any_dtype_as_fsdp2(results, name):
-    """fsdp-rs gathers each dtype as FSDP2 does (casting to ``param_dtype``
-    where FSDP2 casts), so the forward sees the same tensors and training ends
-    in the same shards."""
+def _each_rank(results: tuple, name: str):
+    """Each rank's result of scenario ``name`` as ``(rank, result)``; fails
+    where a rank did not run it or raised."""
     world_size, per_rank, failure = results
     for rank in range(world_size):
         r = per_rank[rank].get(name)
         assert r is not None, f"rank {rank}: {name} did not run ({failure})"
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        yield rank, r
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_frozen_params_of_any_dtype_as_fsdp2(results, name):
+    """fsdp-rs gathers each dtype as FSDP2 does (casting to ``param_dtype``
+    where FSDP2 casts), so the forward sees the same tensors and training ends
+    in the same shards."""
+    for rank, r in _each_rank(results, name):
         rs, ref = r["rs"], r["torch"]
         if "unsupported" in ref:
             assert len(rs["losses"]) == 3 and all(map(math.isfinite, rs["losses"]))
@@ -187,11 +194,7 @@ def test_frozen_params_of_any_dtype_under_fullgraph(results, name):
     """Compiled whole with the traced hooks, frozen groups of any dtype are
     all-gathered as raw bits, as in eager: losses and final shards equal eager
     fsdp-rs's bit for bit."""
-    world_size, per_rank, failure = results
-    for rank in range(world_size):
-        r = per_rank[rank].get(name)
-        assert r is not None, f"rank {rank}: {name} did not run ({failure})"
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    for rank, r in _each_rank(results, name):
         eager, compiled = r["rs"], r["rs_compiled"]
         assert compiled["losses"] == eager["losses"], f"rank {rank}: losses differ"
         assert compiled["shards"] == eager["shards"], f"rank {rank}: shards differ"
