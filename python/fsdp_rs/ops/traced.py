@@ -50,7 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Reduction", "reduction", "unshard_copy_out"]
+from fsdp_rs.kernels._dtypes import bits
+
+__all__ = ["Reduction", "all_gather_rows", "reduction", "unshard_copy_out"]
 
 
 @torch.library.custom_op("fsdp_rs::unshard_copy_out", mutates_args=())
@@ -143,6 +145,18 @@ def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
     dims, ranks, _, _, sharded_numels = rest[6:11]
     _check_numels(sharded, sharded_numels)
     return [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
+
+
+def all_gather_rows(source: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """Every rank's ``source`` as the rows of one tensor (``world`` x numel), by
+    the functional all-gather over ``group_name``; one rank's is its own. Bytes
+    are bytes: a dtype the backend may not know (float8 or bool on gloo) goes
+    as its same-width integers ([Note: Raw copies])."""
+    if world == 1:
+        return source.view(1, -1)
+    functional = torch.ops._c10d_functional
+    gathered = functional.all_gather_into_tensor(bits(source), world, group_name)
+    return functional.wait_tensor(gathered).view(source.dtype).view(world, -1)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ differences:
   the DTensor path brings its non-DP dims to the storage placements.
 
 Under ``set_fullgraph_compile`` the traced hooks do the same in the graph
-(``traced_dtensor.typed_local``), with type checking off.
+(``traced_dtensor.unsharded_as``), with type checking off.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
-from fsdp_rs.ops.traced import unshard_copy_out
+from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
+from fsdp_rs.ops.traced import all_gather_rows, unshard_copy_out
 from fsdp_rs.runtime.collectives import unreduced_post_divide
 from fsdp_rs.runtime.extensions import ExtensionParamGroup
 from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
@@ -93,7 +93,7 @@ from fsdp_rs.runtime.plan_check import (
 )
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
 from fsdp_rs.runtime.state import _cast_floats, _elsewhere
-from fsdp_rs.runtime.traced_dtensor import from_local, local_of, typed_local
+from fsdp_rs.runtime.traced_dtensor import local_of, unsharded_as
 from fsdp_rs.runtime.traced_extension import extension_gather, untraceable
 from fsdp_rs.runtime.unshard import ShardedState
 
@@ -122,15 +122,9 @@ class TracedGroup:
         self.padded_numels = group.plan.padded_sharded_numel.tolist()
         self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
         self.tables = group.tables.copy_out_args()
-        # [Note: DTensor parameters] the unsharded parameters' own specs (TP / EP)
+        # [Note: DTensor parameters] what the module computes with, per parameter
         nd = group.nd or [None] * len(shapes)
-        # [Note: spmd_types parameters] an annotated one is computed with plain
-        self.typed = [None if d is None or d.annotation is None else typed_local(d) for d in nd]
-        self.specs = [
-            None if d is None or d.annotation is not None else d.unsharded_spec(group.param_dtype)
-            for d in nd
-        ]
-        self.keep = [() if d is None else tuple(sorted(d.keep_on_dims)) for d in nd]
+        self.unsharded_as = [unsharded_as(d, group.param_dtype) for d in nd]
         # sharded on another dim: the copies' chunk table (made here, eagerly)
         shard_dim = isinstance(group, ShardDimGroup)
         self.chunk_numel = group._chunks(None) if shard_dim else None
@@ -324,14 +318,7 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         source = source.to(traced.compute_device, non_blocking=True)
     if source.dtype != group.param_dtype:
         source = source.to(group.param_dtype)
-    if traced.world > 1:
-        # bytes are bytes: a dtype the backend may not know (float8 or bool on
-        # gloo) goes as its same-width integers ([Note: Raw copies])
-        functional = torch.ops._c10d_functional
-        ag = functional.all_gather_into_tensor(bits(source), traced.world, traced.group_name)
-        ag = functional.wait_tensor(ag).view(source.dtype).view(traced.world, -1)
-    else:
-        ag = source.view(1, -1)
+    ag = all_gather_rows(source, traced.world, traced.group_name)
     unsharded = unshard_copy_out(
         ag,
         list(local),
@@ -369,12 +356,9 @@ def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
         return _recomputed(group, gather, *flags, *traced.grad_tables, *local)
     local = [local_of(group.sharded_params[i]) for i in traced.trained]
     views = _recomputed(group, _gather, traced, group.sharded, *local)
-    # DTensor parameters (TP / EP / dp_mesh_dims): the unsharded local tensors
-    # as DTensors of the parameters' own specs, handing the copy-out the local
-    # tensor of each gradient as the eager post-backward reads it
+    # DTensor parameters (TP / EP / dp_mesh_dims / spmd_types): ``unsharded_as``
     return [
-        typed(v) if typed is not None else v if spec is None else from_local(v, spec, keep)
-        for v, typed, spec, keep in zip(views, traced.typed, traced.specs, traced.keep, strict=True)
+        v if wrap is None else wrap(v) for v, wrap in zip(views, traced.unsharded_as, strict=True)
     ]
 
 

@@ -10,9 +10,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _ToTorchTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["from_local", "local_of", "typed_local"]
+__all__ = ["local_of", "unsharded_as"]
 
 
 class _LocalOf(_ToTorchTensor):
@@ -47,7 +46,7 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 class _FromLocalKeeping(torch.autograd.Function):
     """``DTensor.from_local`` whose backward leaves the gradient's placements
-    on the ``keep`` dims as autograd made them.
+    on the DP dims as autograd made them.
 
     [Note: DP dims under trace]
     With ``dp_mesh_dims`` an unsharded parameter is a DTensor on the full mesh,
@@ -60,44 +59,20 @@ class _FromLocalKeeping(torch.autograd.Function):
     Its ``grad_placements`` (torch >= 2.13) cannot say "as it comes": a
     gradient ``Replicate()`` there (inputs replicated over DP) would be
     divided to a ``Partial``, where eager sums it as it is. So this backward
-    reads the gradient's placements when AOT autograd traces it and keeps them
-    on the DP dims, bringing only the others (TP) to the parameter's own, as
-    eager does. Dynamo puts it in the graph as one call, with the mesh and
-    placements as constants, as it does ``from_local``."""
+    is eager's own ``local_grad``, run when AOT autograd traces it: the DP
+    dims' placements kept, the others (TP) brought to the parameter's own."""
 
     @staticmethod
-    def forward(ctx, local, mesh, placements, shape, stride, keep):  # type: ignore[override]
+    def forward(ctx, local, nd, spec):  # type: ignore[override]
+        ctx.nd = nd
         ctx.set_materialize_grads(False)
-        ctx.mesh, ctx.placements, ctx.keep = mesh, placements, keep
-        spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if grad is None:
-            return None, None, None, None, None, None
-        own = ctx.placements
-        target = tuple(grad.placements[i] if i in ctx.keep else p for i, p in enumerate(own))
-        if tuple(grad.placements) != target:
-            grad = grad.redistribute(ctx.mesh, target)
-        return grad.to_local(), None, None, None, None, None
-
-
-@torch._dynamo.allow_in_graph
-def _from_local_keeping(local, mesh, placements, shape, stride, keep):
-    return _FromLocalKeeping.apply(local, mesh, placements, shape, stride, keep)
-
-
-def from_local(local: torch.Tensor, spec: DTensorSpec, keep: tuple[int, ...]) -> torch.Tensor:
-    """``local`` as a DTensor of ``spec``. Its backward brings the gradient to
-    ``spec``'s placements (a ``Partial`` from sequence parallelism reduced over
-    its dim), as the eager post-backward does, except on the ``keep`` dims."""
-    meta = spec.tensor_meta
-    if keep:
-        return _from_local_keeping(local, spec.mesh, spec.placements, meta.shape, meta.stride, keep)
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    )
+            return None, None, None
+        return ctx.nd.local_grad(grad), None, None
 
 
 class _TypedLocal(torch.autograd.Function):
@@ -120,13 +95,42 @@ class _TypedLocal(torch.autograd.Function):
         return ctx.nd.local_grad(ctx.nd.typed_grad(grad)), None
 
 
-def typed_local(nd) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``_TypedLocal`` of the annotated parameter ``nd`` (a ``DTensorParam``)
-    as a function of the tensor alone, which Dynamo puts in the graph as one
-    call (it cannot build the gradient's DTensor itself); AOT autograd traces
-    its backward."""
+def unsharded_as(nd, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the module computes with, made from the unsharded local tensor of
+    the DTensor parameter ``nd`` (a ``DTensorParam``; None: a plain one, used
+    as it is), in the parameter dtype ``dtype``, with the backward that hands
+    the copy-out the local tensor of its gradient as the eager post-backward
+    reads it:
 
-    def typed(local: torch.Tensor) -> torch.Tensor:
-        return _TypedLocal.apply(local, nd)
+    - TP / EP: a DTensor of the parameter's own spec, by ``DTensor.from_local``
+      (whose backward brings the gradient to those placements: a ``Partial``
+      from sequence parallelism reduced over its dim);
+    - ``dp_mesh_dims``: the same, but ``_FromLocalKeeping``;
+    - spmd_types: the plain tensor, ``_TypedLocal``.
 
-    return torch._dynamo.allow_in_graph(typed)
+    The last two are functions of the tensor alone, which Dynamo puts in the
+    graph as one call each (it cannot build the gradient's DTensor itself);
+    AOT autograd traces their backward."""
+    if nd is None:
+        return None
+    if nd.annotation is not None:
+
+        def typed(local: torch.Tensor) -> torch.Tensor:
+            return _TypedLocal.apply(local, nd)
+
+        return torch._dynamo.allow_in_graph(typed)
+    spec = nd.unsharded_spec(dtype)
+    if nd.keep_on_dims:
+
+        def keeping(local: torch.Tensor) -> torch.Tensor:
+            return _FromLocalKeeping.apply(local, nd, spec)
+
+        return torch._dynamo.allow_in_graph(keeping)
+    meta = spec.tensor_meta
+
+    def own(local: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(
+            local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
+
+    return own

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_rs.ops.traced import reduction
+from fsdp_rs.ops.traced import all_gather_rows, reduction
 from fsdp_rs.runtime.extensions import _POST, _PRE, _plain, has_extension
 
 __all__ = ["extension_gather", "untraceable"]
@@ -99,26 +99,19 @@ def extension_gather(traced) -> Callable:
     tensor that returns the unsharded parameters ([Note: Extensions under
     trace])."""
     group = traced.group
-
     count = len(traced.grad_tables)
+    chunks = group.plan.chunk_rows.tolist()
+    world = traced.world
 
     def gather(reduce_op, all_reduce_op, pre, post, *tensors):
         # tensors: the gradient layout's tables (graph inputs, as every tensor
         # the graph reads must be), then every parameter's local tensor
         tables, local = tensors[:count], tensors[count:]
-        chunks = group.plan.chunk_rows.tolist()
-        world = traced.world
         with torch.no_grad():  # as the eager unshard
             per_param = [group._inputs_of(i, t, chunks[i]) for i, t in enumerate(local)]
             inputs = [t for ins, _ in per_param for t in ins]
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
-            if world > 1:
-                functional = torch.ops._c10d_functional
-                gathered = functional.all_gather_into_tensor(flat, world, traced.group_name)
-                gathered = functional.wait_tensor(gathered)
-            else:
-                gathered = flat
-            gathered = gathered.view(world, -1)
+            gathered = all_gather_rows(flat, world, traced.group_name)
             unsharded, offset = [], 0
             for i, (ins, metadata) in enumerate(per_param):
                 outputs = []
