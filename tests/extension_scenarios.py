@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
-from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh, fullgraph_compiled
+from scenario_common import BATCH, DIM, HIDDEN, LIBS, _inputs, _mesh, eager_and_compiled
 from spawned import run_named
 
 STEPS = 3
@@ -252,35 +252,22 @@ def fullgraph(
 ) -> dict:
     """Training with parameters of an extension subclass, eager and compiled
     whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
-    (aot_eager, with the ops of each graph it compiled listed);
-    ``{"refused": message}`` where it refuses. ``hsdp``: a (2, W / 2) mesh;
+    (``scenario_common.eager_and_compiled``: with the ops of each graph it
+    compiled listed); ``{"refused": message}`` where it refuses. ``hsdp``: a (2, W / 2) mesh;
     ``frozen``: the blocks' first weights frozen, beside trained ones;
     ``compiler``: "aot_eager" or "inductor" (whose graphs are not listed)."""
-    from fullgraph_scenarios import ListingBackend
-
     wrap, model_kwargs = _subclass(kind, shard_kwargs)
-    backend = ListingBackend(compiler)
-    first_step = []
-    out = {}
-    for mode in ("eager", "compiled"):
+
+    def build() -> nn.Module:
         model = _model(wrap, **model_kwargs)
         for block in model.blocks if frozen else ():
             block.lin1.weight.requires_grad_(False)
-        model = _shard("rs", model, _mesh(world_size, hsdp), **shard_kwargs)
-        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
-        if isinstance(run, str):
-            return {"refused": run}
+        return _shard("rs", model, _mesh(world_size, hsdp), **shard_kwargs)
 
-        def count() -> None:
-            first_step.append(backend.dynamo_graphs)
+    def train(model: nn.Module, run: nn.Module, after_first) -> dict:
+        return {"losses": _train(run, rank, after_first=after_first), **_observe(model)}
 
-        losses = _train(run, rank, after_first=count if mode == "compiled" else None)
-        out[mode] = {"losses": losses, **_observe(model)}
-    # Dynamo's graphs after the first step and at the end (no recompiles), and
-    # the ops of the graphs AOT autograd compiled
-    out["dynamo_graphs"] = [*first_step, backend.dynamo_graphs]
-    out["graphs"] = backend.graphs
-    return out
+    return eager_and_compiled(build, train, compiler)
 
 
 def _bf16_methods(calls: dict) -> tuple[Callable, Callable]:

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_rs
-from scenario_common import fullgraph_compiled
+from scenario_common import eager_and_compiled
 from spawned import run_named
 
 # Every local shard a multiple of 16 bytes at dp <= 4, tp <= 2 (fp32).
@@ -284,33 +284,22 @@ def tp_mlp(
 def _eager_and_compiled(
     build: Callable[[], nn.Module], batch, steps: int = 3, compiler: str = "aot_eager"
 ) -> dict:
-    """The model ``build()`` makes trained eager and, built again, compiled
-    whole with ``fullgraph=True`` after ``set_fullgraph_compile()``
-    (``compiler``), the same steps (``{"refused": message}`` where
-    ``set_fullgraph_compile`` refuses); ``"dynamo_graphs"``: how many graphs
-    Dynamo had compiled after the first step and at the end."""
-    from fullgraph_scenarios import ListingBackend
+    """``scenario_common.eager_and_compiled`` of ``steps`` steps of ``_train``
+    on ``batch(step)``: losses, gradient norms, the last step's sharded
+    gradients and the trained parameters per mode."""
 
-    backend = ListingBackend(compiler)
-    first_step = []
+    def train(model: nn.Module, run: nn.Module, after_first) -> dict:
+        def counted(step: int) -> torch.Tensor:
+            if step == 1 and after_first is not None:
+                after_first()
+            return batch(step)
 
-    def counted(step: int) -> torch.Tensor:
-        if step == 1:
-            first_step.append(backend.dynamo_graphs)
-        return batch(step)
-
-    out = {}
-    for mode in ("eager", "compiled"):
-        model = build()
-        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
-        if isinstance(run, str):
-            return {"refused": run}
-        trained = _train(run, counted if mode == "compiled" else batch, _mse, steps)
+        trained = _train(run, counted, _mse, steps)
         prefix = "_orig_mod."  # the compiled wrapper's names
         grads = {k.removeprefix(prefix): v for k, v in trained["grads"].items()}
-        out[mode] = {**trained, "grads": grads, "params": _params(model)}
-    out["dynamo_graphs"] = [*first_step, backend.dynamo_graphs]
-    return out
+        return {**trained, "grads": grads, "params": _params(model)}
+
+    return eager_and_compiled(build, train, compiler)
 
 
 def tp_fullgraph(

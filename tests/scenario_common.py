@@ -1,7 +1,7 @@
 """What the side-by-side scenario modules share (``dropin_scenarios``,
 ``extension_scenarios``, ``shard_dim_scenarios``, ``nd_scenarios``): the two
-libraries, the CPU meshes, the per-rank inputs, and compiling a model whole
-with traced hooks. Imports nothing a supported torch lacks."""
+libraries, the CPU meshes, the per-rank inputs, training a model eager and
+compiled whole with traced hooks. Imports nothing a supported torch lacks."""
 
 from __future__ import annotations
 
@@ -29,15 +29,36 @@ def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
     return torch.randn(BATCH, DIM, generator=gen)
 
 
-def fullgraph_compiled(model: torch.nn.Module, backend="aot_eager") -> torch.nn.Module | str:
-    """``model`` (an fsdp-rs root) compiled whole with ``fullgraph=True`` after
-    ``set_fullgraph_compile()``, or the message with which that refuses."""
+def eager_and_compiled(
+    build: Callable[[], torch.nn.Module], train: Callable, compiler: str = "aot_eager"
+) -> dict:
+    """The model ``build()`` makes (an fsdp-rs root) trained by ``train(model,
+    run, after_first)`` eager (``run`` the model itself, ``after_first`` None),
+    then, built again, compiled whole with ``fullgraph=True`` after
+    ``set_fullgraph_compile()`` by ``compiler``, ``after_first()`` to be called
+    after its first step. ``{"refused": message}`` where
+    ``set_fullgraph_compile`` refuses; else what ``train`` returned per mode,
+    ``"dynamo_graphs"``: how many graphs Dynamo had compiled after the first
+    step and in all (equal: no recompiles), and ``"graphs"``: the ops of those
+    AOT autograd compiled (``fullgraph_scenarios.ListingBackend``; none under
+    inductor)."""
+    from fullgraph_scenarios import ListingBackend
+
+    backend = ListingBackend(compiler)
+    first_step: list[int] = []
+    model = build()
+    out: dict = {"eager": train(model, model, None)}
+    model = build()
     try:
         model.set_fullgraph_compile()
     except ValueError as e:
-        return str(e)
+        return {"refused": str(e)}
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend, fullgraph=True)
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    out["compiled"] = train(model, run, lambda: first_step.append(backend.dynamo_graphs))
+    out["dynamo_graphs"] = [*first_step, backend.dynamo_graphs]
+    out["graphs"] = backend.graphs
+    return out
 
 
 def train_adamw(

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from scenario_common import LIBS, fullgraph_compiled, train_adamw
+from scenario_common import LIBS, eager_and_compiled, train_adamw
 from spawned import run_named
 
 try:
@@ -270,32 +270,22 @@ def training(
 
 
 def fullgraph(world_size: int, rank: int, tp: int = 1, cp: bool = False, **kwargs) -> dict:
-    """fsdp-rs trained eager and compiled whole with ``fullgraph=True`` after
-    ``set_fullgraph_compile()`` (aot_eager), type checking off: losses, the
-    last step's sharded gradients, the trained parameters, and how many graphs
-    Dynamo compiled after the first step and in all (``{"refused": message}``
-    where ``set_fullgraph_compile`` refuses)."""
+    """fsdp-rs trained eager and compiled whole with ``fullgraph=True``
+    (``scenario_common.eager_and_compiled``), type checking off: losses, the
+    last step's sharded gradients and the trained parameters."""
     if not AVAILABLE:
         return {"skipped": "no spmd_types"}
-    from fullgraph_scenarios import ListingBackend
-
     if kwargs.pop("bf16", False):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
     mesh = _mesh(world_size, tp, cp)
     dp, _ = _dp_rank_size(mesh)
-    backend = ListingBackend("aot_eager")
-    out: dict = {}
-    for mode in ("eager", "compiled"):
-        model = _shard("rs", Net(mesh), mesh, **kwargs)
-        run = fullgraph_compiled(model, backend) if mode == "compiled" else model
-        if isinstance(run, str):
-            return {"refused": run}
 
-        def step_loss(step: int, run=run, mode=mode) -> float:
-            if step == 1 and mode == "compiled":
-                out["dynamo_graphs"] = [backend.dynamo_graphs]
+    def train(model: nn.Module, run: nn.Module, after_first) -> dict:
+        def step_loss(step: int) -> float:
+            if step == 1 and after_first is not None:
+                after_first()
             with spmd.set_current_mesh(mesh):
                 loss = run(_batch(dp, step)).float().pow(2).mean()
                 loss.backward()
@@ -303,9 +293,9 @@ def fullgraph(world_size: int, rank: int, tp: int = 1, cp: bool = False, **kwarg
 
         observe = functools.partial(_observe, model, grads=True)
         losses, grads = train_adamw(model, step_loss, STEPS, observe)
-        out[mode] = {"losses": losses, "grads": grads, "params": _observe(model)}
-    out["dynamo_graphs"].append(backend.dynamo_graphs)
-    return out
+        return {"losses": losses, "grads": grads, "params": _observe(model)}
+
+    return eager_and_compiled(lambda: _shard("rs", Net(mesh), mesh, **kwargs), train)
 
 
 def _types(t: torch.Tensor) -> str:
