@@ -15,6 +15,7 @@ spawn (``_in_environment``)."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import json
 import os
@@ -77,10 +78,14 @@ def spawn_scenarios(
 
 
 def _in_environment(rank: int, worker: Callable, environ: dict, *args) -> None:
-    """``worker(rank, *args)`` in the spawning process's environment."""
+    """``worker(rank, *args)`` in the spawning process's environment; should the
+    rank die of a signal, its threads' Python stacks are in ``faults_path``."""
     os.environ.clear()
     os.environ.update(environ)
-    worker(rank, *args)
+    out_dir = args[-1]  # (world_size, port, names, out_dir)
+    with open(faults_path(out_dir, rank), "w") as faults:
+        faulthandler.enable(faults, all_threads=True)
+        worker(rank, *args)
 
 
 def _progress(out: Path, world_size: int, total: int) -> str:
@@ -93,7 +98,18 @@ def _progress(out: Path, world_size: int, total: int) -> str:
         except (OSError, ValueError):  # none yet, or cut off mid-write
             done = 0
         parts.append(f"rank {rank} wrote {done} of {total} results")
+        try:
+            stacks = faults_path(out, rank).read_text().strip()
+        except OSError:
+            stacks = ""
+        if stacks:
+            parts[-1] += f"; its stacks when it died:\n{stacks[-6000:]}\n"
     return ", ".join(parts)
+
+
+def faults_path(out_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank``'s Python stacks go should it die of a signal."""
+    return Path(out_dir, f"rank{rank}.faults")
 
 
 def results_path(out_dir: str | Path, rank: int) -> Path:

@@ -1,10 +1,12 @@
 """The spawn helpers themselves ([Note: Leaving a spawned rank]): a rank that
-dies of a signal is reported with how far each rank got, and a rank that ends
+dies of a signal is reported with how far each rank got and where it died (its
+Python stack), and a rank that ends
 through ``finish`` (``gloo_worker``'s last step) exits 0 with its results
 written."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import signal
@@ -17,23 +19,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 from spawned import gloo_worker, read_ranks, spawn_scenarios, write_results
 
 
-def _aborting_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str):
-    """Writes its results, then rank 1 dies as the CI rank did (SIGABRT)."""
+def _dying_worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str):
+    """Writes its results, then rank 1 dies as CI ranks did: SIGABRT (torch 2.15,
+    a C++ thread never joined) or SIGSEGV (torch 2.13)."""
     write_results(out_dir, rank, {"a": 1} if rank else {"a": 1, "b": 2})
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGABRT)
+        _die_by(names[0])
+
+
+def _die_by(how: str) -> None:
+    if how == "SIGSEGV":
+        ctypes.string_at(0)  # reads address 0
+    os.kill(os.getpid(), signal.SIGABRT)
 
 
 def _echo(world_size: int, rank: int, name: str) -> dict:
     return {"rank": rank, "name": name}
 
 
-def test_signal_death_names_each_ranks_progress(tmp_path):
+@pytest.mark.parametrize("how", ["SIGABRT", "SIGSEGV"])
+def test_signal_death_names_each_ranks_progress_and_stack(tmp_path, how):
     with pytest.raises(RuntimeError) as info:
-        spawn_scenarios(_aborting_worker, 2, ["a", "b"], tmp_path, timeout_s=120)
+        spawn_scenarios(_dying_worker, 2, [how, "b"], tmp_path, timeout_s=120)
     message = str(info.value)
-    assert "signal SIGABRT" in message
-    assert "rank 1 wrote 1 of 2 results" in message
+    assert f"signal {how}" in message
+    assert "rank 1 wrote 1 of 2 results; its stacks when it died:" in message
+    assert "in _die_by" in message and "in _dying_worker" in message
+    assert "rank 0 wrote 2 of 2 results," in message  # rank 0 ended cleanly: no stacks
 
 
 def test_finish_writes_results_and_exits_cleanly(tmp_path):
