@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_rs
+from dropin_scenarios import CountingAllGather, CountingReduceScatter
 from scenario_common import eager_and_compiled
 from spawned import run_named
 
@@ -546,18 +547,81 @@ def spmd_several_shard_dims(world_size: int, rank: int, steps: int = 2, hsdp: bo
     return out
 
 
+def spmd_replicate_only(world_size: int, rank: int, form: str = "1d", steps: int = 3) -> dict:
+    """``dp_mesh_dims`` naming replicate dims only, FSDP2's DDP form ([Note:
+    Replicate dims only]). ``form``: "1d" (the whole world one replicate dim),
+    "two_dims" (two replicate dims, flattened into one), "tp" (replicate over dp
+    beside Megatron TP), "mixed" (the blocks DDP, the root FSDP over the same dim),
+    "bf16" ("1d" under bf16 mixed precision with fp32 reduction), "custom_comms"
+    ("1d" with a user's all-gather and reduce-scatter, which neither library
+    calls: nothing is sharded)."""
+    if not HAS_DP_MESH_DIMS:
+        return {"skipped": "this torch has no DataParallelMeshDims"}
+    replicate = torch_fsdp.DataParallelMeshDims(replicate="dp")
+    kwargs: dict = {}
+    if form == "two_dims":
+        mesh = _dp_mesh_2d(world_size, ("dp_replicate", "dp_other"))
+        replicate = torch_fsdp.DataParallelMeshDims(replicate=("dp_replicate", "dp_other"))
+    elif form == "tp":
+        mesh = _nd_mesh(world_size, 2)
+    else:
+        mesh = _dp_mesh_1d(world_size)
+    if form == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    root_dims = torch_fsdp.DataParallelMeshDims(shard="dp") if form == "mixed" else replicate
+    out = {}
+    for lib in LIBS:
+        torch.manual_seed(0)
+        model = _SpmdNet(mesh) if form == "tp" else _DPNet(mesh)
+        blocks = model.blocks if form == "tp" else [model.w1]
+        for block in blocks:
+            LIBS[lib](block, mesh=mesh, dp_mesh_dims=replicate, **kwargs)
+        LIBS[lib](model, mesh=mesh, dp_mesh_dims=root_dims, **kwargs)
+        comms = []
+        if form == "custom_comms":
+            for module in [*blocks, model]:
+                comms.append((CountingAllGather(), CountingReduceScatter()))
+                module.set_custom_all_gather(comms[-1][0])
+                module.set_custom_reduce_scatter(comms[-1][1])
+        sharded = _params(model)
+        dp = _coordinates(mesh)[0] if form == "tp" else rank
+
+        def batch(step: int, dp=dp) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(1000 * dp + step)
+            return torch.randn(BATCH, DIM, generator=gen)
+
+        trained = _train(model, batch, _mse, steps)
+        calls = [(ag.calls, rs.calls) for ag, rs in comms]
+        out[lib] = {"sharded": sharded, **trained, "params": _params(model), "calls": calls}
+    return out
+
+
+@functools.cache
+def _dp_mesh_1d(world_size: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
 def spmd_fullgraph_several(
-    world_size: int, rank: int, replicated_batch: bool = False, hsdp: bool = False
+    world_size: int,
+    rank: int,
+    replicated_batch: bool = False,
+    hsdp: bool = False,
+    replicate_only: bool = False,
 ) -> dict:
     """``spmd_several_shard_dims`` eager and compiled whole with
     ``fullgraph=True`` (``_eager_and_compiled``). ``replicated_batch``: one
     batch on every rank, ``Replicate()`` on the DP dims, so the gradients are
-    ``Replicate()`` there too (the reduce-scatter sums the copies, as eager)."""
+    ``Replicate()`` there too (the reduce-scatter sums the copies, as eager).
+    ``replicate_only``: one DP dim, replicated ([Note: Replicate dims only])."""
     if BOTH_TORCH:
         return {"skipped": "torch FSDP2 has no set_fullgraph_compile"}
     if not HAS_DP_MESH_DIMS:
         return {"skipped": "this torch has no DataParallelMeshDims"}
-    mesh, dims = _two_dp_dims(world_size, hsdp)
+    if replicate_only:
+        mesh = _dp_mesh_1d(world_size)
+        dims = torch_fsdp.DataParallelMeshDims(replicate="dp")
+    else:
+        mesh, dims = _two_dp_dims(world_size, hsdp)
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -691,6 +755,13 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "spmd_fullgraph_tp_bf16": (spmd_fullgraph, {"mp": True, "min_world": 4}),
     "spmd_fullgraph_several": (spmd_fullgraph_several, {"min_world": 4}),
     "spmd_hsdp": (spmd_several_shard_dims, {"hsdp": True, "min_world": 4}),
+    "spmd_replicate_only": (spmd_replicate_only, {}),
+    "spmd_replicate_only_bf16": (spmd_replicate_only, {"form": "bf16"}),
+    "spmd_replicate_only_mixed": (spmd_replicate_only, {"form": "mixed"}),
+    "spmd_replicate_only_custom_comms": (spmd_replicate_only, {"form": "custom_comms"}),
+    "spmd_replicate_only_two_dims": (spmd_replicate_only, {"form": "two_dims", "min_world": 4}),
+    "spmd_replicate_only_tp": (spmd_replicate_only, {"form": "tp", "min_world": 4}),
+    "spmd_fullgraph_replicate_only": (spmd_fullgraph_several, {"replicate_only": True}),
     "spmd_fullgraph_hsdp": (spmd_fullgraph_several, {"hsdp": True, "min_world": 4}),
     "spmd_fullgraph_replicated_batch": (
         spmd_fullgraph_several,

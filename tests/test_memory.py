@@ -166,3 +166,75 @@ def test_zero_grad_set_to_none_frees_gradients(fake_pg):
     model.zero_grad(set_to_none=False)
     assert all(p.grad is g for p, g in zip(model.parameters(), kept, strict=True))
     assert all(bool((g._local_tensor == 0).all()) for g in kept)
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True, ids=["W2"])
+def test_replicate_only_memory_not_above_fsdp2(fake_pg):
+    """``dp_mesh_dims`` naming replicate dims only (FSDP2's DDP form, [Note:
+    Replicate dims only]) on DTensor parameters, with and without
+    ``reshard_after_forward``: no phase above FSDP2's. (The bench's models take
+    plain parameters; this one is replicated on the mesh. One mesh for all
+    runs: DTensor's caches hand back an equal mesh made earlier, and FSDP2
+    requires the parameters' mesh to be the one passed.)"""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import fsdp_rs
+    from fsdp_rs.bench.memory import _Meter
+
+    if not hasattr(torch_fsdp, "DataParallelMeshDims"):
+        pytest.skip("this torch has no DataParallelMeshDims")
+    mesh = init_device_mesh("cpu", (fake_pg,), mesh_dim_names=("dp",))
+    dims = torch_fsdp.DataParallelMeshDims(replicate="dp")
+    dim = 512
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+            for block in self.blocks:
+                for name, p in list(block.named_parameters()):
+                    replicated = distribute_tensor(p.detach(), mesh, [Replicate()])
+                    setattr(block, name, nn.Parameter(replicated))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return x.to_local()
+
+    def phases(fully_shard, reshard_after_forward: bool) -> dict[str, int]:
+        torch.manual_seed(0)
+        model = Net()
+        with _Meter(torch.device("cpu"), (model,)) as meter:
+            for module in [*model.blocks, model]:
+                fully_shard(
+                    module,
+                    mesh=mesh,
+                    dp_mesh_dims=dims,
+                    reshard_after_forward=reshard_after_forward,
+                )
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            meter._tracker.track_external(model, opt)
+            x = torch.randn(32, dim)
+            out = {"init": meter.current()}
+            for _ in range(2):
+                meter.reset_peak()
+                loss = model(x).pow(2).mean()
+                out["forward"] = meter.current()
+                loss.backward()
+                del loss
+                opt.step()
+                out["optimizer"] = meter.current()
+                opt.zero_grad()
+                out["zero_grad"] = meter.current()
+                out["peak"] = meter.peak()
+        return out
+
+    for raf in (True, False):
+        ours, theirs = phases(fsdp_rs.fully_shard, raf), phases(torch_fsdp.fully_shard, raf)
+        assert ours["peak"] > 4 * dim * dim * 4  # the parameters at least: it measured
+        over = {k: (ours[k] / MiB, theirs[k] / MiB) for k in ours if _above(ours[k], theirs[k])}
+        assert not over, f"raf={raf}: fsdp-rs above torch FSDP2 (MiB, ours vs theirs): {over}"

@@ -90,6 +90,7 @@ _FULLGRAPH = {
     "spmd_fullgraph_replicated_batch": False,
     "spmd_fullgraph_hsdp": False,
     "spmd_fullgraph_inductor": False,
+    "spmd_fullgraph_replicate_only": False,
 }
 
 
@@ -150,14 +151,38 @@ def test_dcp_across_libraries(results):
         }, rank
 
 
+_REPLICATE_ONLY = [n for n in SCENARIOS if n.startswith("spmd_replicate_only")]
+
+
 @pytest.mark.parametrize(
     "name",
-    ["spmd_dp_mesh_dims", "spmd_dp_mesh_dims_tp", "spmd_several_shard_dims", "spmd_hsdp"],
+    [
+        "spmd_dp_mesh_dims",
+        "spmd_dp_mesh_dims_tp",
+        "spmd_several_shard_dims",
+        "spmd_hsdp",
+        *_REPLICATE_ONLY,
+    ],
 )
 def test_spmd_dp_mesh_dims_matches_fsdp2(results, name):
     for rank, r in each_rank(SCENARIOS, results, name):
         _assert_same(rank, r["rs"], r["torch"])
         _assert_observed(rank, r["rs"])
+
+
+@pytest.mark.parametrize("name", _REPLICATE_ONLY)
+def test_replicate_only_keeps_replicas_equal(results, name):
+    """``dp_mesh_dims`` naming replicate dims only ([Note: Replicate dims
+    only]) trains as DDP: the ranks see different batches (different losses)
+    and end with the same parameters, every one ``Replicate()`` on the DP dims."""
+    ranks = [r for _, r in each_rank(SCENARIOS, results, name)]
+    losses = {str(r["rs"]["losses"]) for r in ranks}
+    params = {str(r["rs"]["params"]) for r in ranks}
+    assert len(losses) > 1
+    assert len(params) == 1, f"{name}: the replicas diverged"
+    if name.endswith(("replicate_only", "_bf16", "_two_dims", "_custom_comms")):
+        for p in ranks[0]["rs"]["sharded"].values():
+            assert "Shard" not in p["placements"], p["placements"]
 
 
 def test_clip_grad_norm_over_mixed_meshes(results):

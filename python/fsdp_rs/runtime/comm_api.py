@@ -57,6 +57,8 @@ class CommSettings:
         for group in self._groups(False):
             _check_not_custom(group, "set_allocate_memory_from_process_group_for_comm")
             pg = group.info.shard_group
+            if pg is None:  # nothing sharded: no collective to allocate for
+                continue
             group.all_gather_comm = ProcessGroupAllGather(pg) if enable else None
             rs_pg = group.reduce_scatter_group or pg
             group.reduce_scatter_comm = ProcessGroupReduceScatter(rs_pg) if enable else None
@@ -68,6 +70,8 @@ class CommSettings:
         symmetric memory backend raises torch's RuntimeError, as with FSDP2."""
         for group in self._groups(False):
             _check_not_custom(group, "set_symm_mem_for_comm")
+            if group.info.shard_group is None:  # nothing sharded: no collective
+                continue
             group.all_gather_comm = SymmMemAllGather(group.info.shard_group, backend)
             if group.force_sum_reduction:
                 rs_pg = group.reduce_scatter_group or group.info.shard_group
@@ -110,7 +114,7 @@ class CommSettings:
         to the shard group. Collective: call it on every rank of the mesh."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
-            if not enable:
+            if not enable or group.info.shard_group is None:  # None: nothing sharded
                 group.reduce_scatter_group = None
                 continue
             ranks = tuple(dist.get_process_group_ranks(group.info.shard_group))

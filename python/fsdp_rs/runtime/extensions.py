@@ -282,7 +282,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         comm = self.all_gather_comm  # [Note: Comm objects]
         work = None
         with streams.on(ag_stream):
-            if comm is not None:
+            if comm is not None and info.shard_size > 1:  # one rank: none, as FSDP2
                 out = comm.allocate(
                     (info.shard_size * flat.numel(),), dtype=torch.uint8, device=self.device
                 )

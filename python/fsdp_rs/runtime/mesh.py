@@ -30,7 +30,7 @@ class MeshInfo:
     dim 1 (HSDP)."""
 
     mesh: DeviceMesh
-    shard_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup | None  # None: replicate dims only (DDP)
     shard_size: int
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
@@ -221,7 +221,14 @@ def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the DP dims of the full
     mesh, checked as FSDP2 checks them ([Note: DTensor parameters]); several
-    shard (or replicate) dims act as one, flattened."""
+    shard (or replicate) dims act as one, flattened.
+
+    [Note: Replicate dims only]
+    ``dp_mesh_dims`` naming replicate dims only is FSDP2's DDP form: nothing is
+    sharded (a group of one shard: its own row is the all-gather output, as in
+    FSDP2, which runs no all-gather either) and the gradients are all-reduced
+    over the replicate dims with FSDP2's division for them. The parameters stay
+    ``Replicate()`` on those dims; there is no shard process group."""
     shard, replicate = _names(dims.shard), _names(dims.replicate)
     if not shard and not replicate:
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
@@ -232,11 +239,10 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
             raise ValueError(
                 f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}"
             )
-    if not shard:
-        raise NotImplementedError(
-            "fully_shard: dp_mesh_dims with replicate dims only (DDP) is not supported by "
-            "fsdp-rs; name a shard dim (FSDP / HSDP)"
-        )
+    if not shard:  # [Note: Replicate dims only]
+        rep_mesh = _one_dim(mesh, replicate)
+        group = rep_mesh.get_group(0)
+        return MeshInfo(rep_mesh, None, 1, 0, group, group.size(), mesh, dims, rep_mesh)
     shard_mesh = _one_dim(mesh, shard)
     group = shard_mesh.get_group(0)
     rep_group, rep_size, dp_mesh = None, 1, shard_mesh

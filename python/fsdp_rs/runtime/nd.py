@@ -207,7 +207,7 @@ def _spmd(fqn: str, p: DTensor, info: MeshInfo, dim: int, memo: dict) -> DTensor
     for i in shard_idx:
         placements[i] = _dp_placement(spec, dim, range(i + 1, mesh.ndim))
     keep = frozenset(shard_idx + replicate_idx)
-    if len(shard_idx) == 1:
+    if len(shard_idx) <= 1:  # none: [Note: Replicate dims only]
         return DTensorParam(spec, mesh, tuple(placements), keep)
     # Several shard dims (dp_shard x cp): the sharded parameter lives on the mesh
     # with the DP mesh (its flattened shard dim, after the replicate one for HSDP)

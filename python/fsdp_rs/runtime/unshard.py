@@ -167,7 +167,7 @@ class Unsharding:
         comm = self.all_gather_comm  # [Note: Comm objects]
         with streams.on(ag_stream):
             work = None
-            if comm is not None:
+            if comm is not None and info.shard_size > 1:  # one rank: none, as FSDP2
                 ag = self._all_gather_output() if ag is None else ag
                 work = comm(
                     output_tensor=ag.view(-1),
