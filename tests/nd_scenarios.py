@@ -554,7 +554,8 @@ def spmd_replicate_only(world_size: int, rank: int, form: str = "1d", steps: int
     beside Megatron TP), "mixed" (the blocks DDP, the root FSDP over the same dim),
     "bf16" ("1d" under bf16 mixed precision with fp32 reduction), "custom_comms"
     ("1d" with a user's all-gather and reduce-scatter, which neither library
-    calls: nothing is sharded)."""
+    calls: nothing is sharded), "reshard_int" ("1d" with reshard_after_forward=2,
+    which FSDP2 takes there and fsdp-rs reads as True)."""
     if not HAS_DP_MESH_DIMS:
         return {"skipped": "this torch has no DataParallelMeshDims"}
     replicate = torch_fsdp.DataParallelMeshDims(replicate="dp")
@@ -568,6 +569,8 @@ def spmd_replicate_only(world_size: int, rank: int, form: str = "1d", steps: int
         mesh = _dp_mesh_1d(world_size)
     if form == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if form == "reshard_int":
+        kwargs["reshard_after_forward"] = 2
     root_dims = torch_fsdp.DataParallelMeshDims(shard="dp") if form == "mixed" else replicate
     out = {}
     for lib in LIBS:
@@ -675,7 +678,8 @@ def errors(world_size: int, rank: int) -> dict:
     (a 1-D mesh over all ranks, unnamed or named: FSDP2 raises from
     ``DeviceMesh._concatenate``, TypeError and RuntimeError) and, in the SPMD
     form, for ``dp_mesh_dims`` naming a dim the mesh lacks, a plain parameter,
-    and a parameter sharded on the DP dim."""
+    a parameter sharded on the DP dim, and ``reshard_after_forward`` as an int
+    with a shard dim."""
     mesh = _nd_mesh(world_size, world_size // 2)
     unnamed = init_device_mesh("cpu", (world_size,))
     named = init_device_mesh("cpu", (world_size,), mesh_dim_names=("other",))
@@ -699,6 +703,12 @@ def errors(world_size: int, rank: int) -> dict:
             ),
             "spmd_sharded_on_dp": lambda lib: LIBS[lib](
                 _linear_on(mesh, [Shard(0), Replicate()]), mesh=mesh, dp_mesh_dims=dims
+            ),
+            "spmd_reshard_int": lambda lib: LIBS[lib](
+                _linear_on(mesh, [Replicate(), Replicate()]),
+                mesh=mesh,
+                dp_mesh_dims=dims,
+                reshard_after_forward=2,
             ),
         }
     out = {}
@@ -759,6 +769,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "spmd_replicate_only_bf16": (spmd_replicate_only, {"form": "bf16"}),
     "spmd_replicate_only_mixed": (spmd_replicate_only, {"form": "mixed"}),
     "spmd_replicate_only_custom_comms": (spmd_replicate_only, {"form": "custom_comms"}),
+    "spmd_replicate_only_reshard_int": (spmd_replicate_only, {"form": "reshard_int"}),
     "spmd_replicate_only_two_dims": (spmd_replicate_only, {"form": "two_dims", "min_world": 4}),
     "spmd_replicate_only_tp": (spmd_replicate_only, {"form": "tp", "min_world": 4}),
     "spmd_fullgraph_replicate_only": (spmd_fullgraph_several, {"replicate_only": True}),

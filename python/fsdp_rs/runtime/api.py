@@ -113,6 +113,7 @@ def fully_shard(
             f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
         )
     info = mesh_info(mesh, dp_mesh_dims)
+    reshard_after_forward = _spmd_reshard(reshard_after_forward, info)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
     _refuse_grad_dtypes(managed)
@@ -265,6 +266,23 @@ def _policy_for(mp_policy: MixedPrecisionPolicy, key) -> MixedPrecisionPolicy:
     if not isinstance(key, tuple) or key[1] == mp_policy.param_dtype:
         return mp_policy
     return dataclasses.replace(mp_policy, param_dtype=key[1])
+
+
+def _spmd_reshard(reshard_after_forward: bool | int | None, info: MeshInfo) -> bool | int | None:
+    """``reshard_after_forward`` as an int (a post-forward group size) under
+    ``dp_mesh_dims``, as FSDP2 takes it: refused where a dim is sharded; with
+    replicate dims only ([Note: Replicate dims only]) there are no shards to
+    keep a group of, so resharding after forward is freeing, as with True."""
+    if info.spmd_mesh is None or reshard_after_forward is None:
+        return reshard_after_forward
+    if isinstance(reshard_after_forward, bool) or not isinstance(reshard_after_forward, int):
+        return reshard_after_forward
+    if info.shard_group is None:
+        return True
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward as int ({reshard_after_forward}) is not yet "
+        "supported with SPMD mesh (dp_mesh_dims), as in FSDP2: pass True or False"
+    )
 
 
 def _post_forward_size(reshard_after_forward: bool | int | None, shard_size: int) -> int | None:
