@@ -21,12 +21,21 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
-from scenario_common import DIM, HIDDEN, LIBS, OUT, STEPS, _inputs, _mesh
+from scenario_common import (
+    DIM,
+    HIDDEN,
+    LIBS,
+    OUT,
+    STEPS,
+    CountingAllGather,
+    CountingReduceScatter,
+    _inputs,
+    _mesh,
+)
 from spawned import run_named
 
 _BUILD_LOCK = threading.Lock()
@@ -558,36 +567,6 @@ def containers(world_size: int, rank: int, mp: bool = False) -> dict:
 
 
 # ------------------------------------------------------------- FSDPModule API
-
-
-class CountingAllGather(AllGather):
-    """A user's custom all-gather, as FSDP2 takes it."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.calls += 1
-        return dist.all_gather_into_tensor(
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
-
-
-class CountingReduceScatter(ReduceScatter):
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.calls += 1
-        return dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:

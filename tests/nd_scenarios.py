@@ -51,8 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_rs
-from dropin_scenarios import CountingAllGather, CountingReduceScatter
-from scenario_common import eager_and_compiled
+from scenario_common import CountingAllGather, CountingReduceScatter, eager_and_compiled
 from spawned import run_named
 
 # Every local shard a multiple of 16 bytes at dp <= 4, tp <= 2 (fp32).

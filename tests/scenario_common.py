@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 import fsdp_rs
 
@@ -22,6 +24,36 @@ def _mesh(world_size: int, hsdp: bool):
     if hsdp:
         return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
     return init_device_mesh("cpu", (world_size,))
+
+
+class CountingAllGather(AllGather):
+    """A user's custom all-gather, as FSDP2 takes it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+
+
+class CountingReduceScatter(ReduceScatter):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:
