@@ -85,7 +85,10 @@ def _in_environment(rank: int, worker: Callable, environ: dict, *args) -> None:
     out_dir = args[-1]  # (world_size, port, names, out_dir)
     with open(faults_path(out_dir, rank), "w") as faults:
         faulthandler.enable(faults, all_threads=True)
-        worker(rank, *args)
+        try:
+            worker(rank, *args)
+        finally:  # before the file closes: its descriptor may be reused after
+            faulthandler.disable()
 
 
 def _progress(out: Path, world_size: int, total: int) -> str:
