@@ -54,9 +54,9 @@ class ShardedState(enum.Enum):
 
 
 def post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
-    """The group of ``size`` consecutive shard ranks this rank belongs to; every
-    rank creates every such group, as ``new_group`` requires. Made once per
-    mesh object and size: all groups sharded over one mesh share them."""
+    """The group of ``size`` consecutive shard ranks this rank belongs to
+    ([Note: Post-forward groups]). Made once per mesh object and size: all
+    groups sharded over one mesh share them."""
     kept = per_mesh(info.mesh)
     key = ("post_forward_group", size)
     if key not in kept:
@@ -64,17 +64,29 @@ def post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     return kept[key]
 
 
+# [Note: Post-forward groups]
+# ``reshard_after_forward=k`` keeps each rank's k-rank slice of the all-gather
+# output, so the backward all-gather runs over groups of k consecutive shard
+# ranks. ``new_group`` in its default form must be called by every rank of the
+# world with the same ranks in the same order: it names a group by a counter,
+# and the group's rendezvous keys by that name. The DP mesh may be one slice of
+# a larger mesh (TP or PP columns), and each slice makes its own groups: ranks
+# of another column would make other groups under the same names, whose
+# rendezvous then connects ranks of different columns (gloo sums across them,
+# silently wrong, or hangs). So only the members make each group
+# (``use_local_synchronization``, named from its ranks), and the members are
+# exactly the ranks of one shard group, which the plan check holds to the same
+# ``fully_shard`` calls.
+
+
 def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
-    mesh = info.mesh.mesh.reshape(-1, info.shard_size)
-    mine = None
-    for row in mesh.tolist():
+    rank = dist.get_rank()
+    for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist():
         for start in range(0, info.shard_size, size):
             ranks = row[start : start + size]
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-    assert mine is not None
-    return mine
+            if rank in ranks:
+                return dist.new_group(ranks, use_local_synchronization=True)
+    raise RuntimeError(f"rank {rank} is not in its own mesh {info.mesh}")
 
 
 def outside_functorch(method: Callable) -> Callable:
