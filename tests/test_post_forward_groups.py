@@ -3,7 +3,8 @@
 give every slice its own gradients, bit for bit those of
 ``reshard_after_forward=True`` ([Note: Post-forward groups]).
 
-Eight gloo ranks: DP 4 x TP 2, and 2 stages x DP 4. Before the fix each slice
+Eight gloo ranks: DP 4 x TP 2, and 2 stages x DP 4; and a mesh over the
+world after the user made groups some ranks are not in (4 and 8 ranks). Before the fix each slice
 made its groups with ``new_group`` in its global form, whose rendezvous
 connected ranks of different slices (sums across slices, or a hang). torch's
 FSDP2 hangs making its post-forward mesh here (torch 2.13, measured), so the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,16 +74,34 @@ def sliced_dp(world_size: int, rank: int, slicing: str, steps: int = 2) -> dict:
     return out
 
 
+def after_uneven_groups(world_size: int, rank: int, steps: int = 2) -> dict:
+    """The mesh spans the world, and the user made a group rank 0 alone is in
+    first: each rank has made a different number of groups, which a name made
+    from that number would not survive (the world's form names by a counter)."""
+    dist.new_group([0])
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for raf in (True, 2):
+        model = _net()
+        for block in model.blocks:
+            fsdp_rs.fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+        fsdp_rs.fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+        batch = functools.partial(_stage_inputs, 0, rank)
+        out[str(raf)] = {**_train(model, batch, _mse, steps), "params": _params(model)}
+    return out
+
+
 SCENARIOS = {
     "tp_columns": (sliced_dp, {"slicing": "tp", "min_world": WORLD}),
     "pipeline_stages": (sliced_dp, {"slicing": "pp", "min_world": WORLD}),
+    "after_uneven_groups": (after_uneven_groups, {"min_world": 4}),
 }
 
-results = results_fixture(SCENARIOS, functools.partial(run_named, SCENARIOS), (WORLD,))
+results = results_fixture(SCENARIOS, functools.partial(run_named, SCENARIOS), (4, WORLD))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_reshard_int_on_a_slice_matches_reshard_true(results, name):
+def test_reshard_int_matches_reshard_true(results, name):
     for rank, r in each_rank(SCENARIOS, results, name):
         assert r["True"]["losses"] and r["True"]["grads"], rank
         assert r["2"] == r["True"], f"rank {rank}: reshard_after_forward=2 differs from True"

@@ -69,24 +69,31 @@ def post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
 # output, so the backward all-gather runs over groups of k consecutive shard
 # ranks. ``new_group`` in its default form must be called by every rank of the
 # world with the same ranks in the same order: it names a group by a counter,
-# and the group's rendezvous keys by that name. The DP mesh may be one slice of
-# a larger mesh (TP or PP columns), and each slice makes its own groups: ranks
-# of another column would make other groups under the same names, whose
-# rendezvous then connects ranks of different columns (gloo sums across them,
-# silently wrong, or hangs). So only the members make each group
-# (``use_local_synchronization``, named from its ranks), and the members are
-# exactly the ranks of one shard group, which the plan check holds to the same
-# ``fully_shard`` calls.
+# and the group's rendezvous keys by that name. Where the mesh spans the world,
+# every rank makes every group that way. Where the DP mesh is one slice of a
+# larger mesh (TP columns, pipeline stages, an expert mesh), each slice would
+# make its own groups under the same names, and their rendezvous would connect
+# ranks of different slices (gloo then sums across them, silently wrong, or
+# hangs; torch 2.13's FSDP2 hangs there). So on a slice only the members make
+# each group (``use_local_synchronization``): torch names such a group from its
+# ranks and the number of groups each member has made, which is the same on
+# members of one shard group as long as they made the same groups before.
 
 
 def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     rank = dist.get_rank()
+    sliced = info.mesh.size() != dist.get_world_size()
+    mine = None
     for row in info.mesh.mesh.reshape(-1, info.shard_size).tolist():
         for start in range(0, info.shard_size, size):
             ranks = row[start : start + size]
-            if rank in ranks:
-                return dist.new_group(ranks, use_local_synchronization=True)
-    raise RuntimeError(f"rank {rank} is not in its own mesh {info.mesh}")
+            if rank in ranks or not sliced:
+                group = dist.new_group(ranks, use_local_synchronization=sliced)
+                if rank in ranks:
+                    mine = group
+    if mine is None:
+        raise RuntimeError(f"rank {rank} is not in its own mesh {info.mesh}")
+    return mine
 
 
 def outside_functorch(method: Callable) -> Callable:
