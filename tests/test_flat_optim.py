@@ -14,7 +14,8 @@ groups (biases with another learning rate and no weight decay), a
 bf16 mixed precision, HSDP (W = 4), CPU offload, frozen parameters (also one
 frozen between a backward and the step) and an ignored (plain) parameter. The
 ``*_resume`` scenarios also hand a checkpoint over mid-way: ``state_dict()`` of
-one kind loaded into the other, both ways.
+one kind loaded into the other, both ways; the ``*_scaler`` ones step through
+``torch.amp.GradScaler`` with an inf in one rank's gradient at one step.
 """
 
 from __future__ import annotations
@@ -86,8 +87,14 @@ SCENARIOS.update(
         # the hand-over through torch.distributed.checkpoint: get_/set_optimizer_state_dict
         # and dcp.save / dcp.load of a directory
         "adamw_resume_dcp": {"optim": "adamw", "resume": True, "dcp": True},
+        # torch.amp.GradScaler, an inf in one rank's gradient at step INF_AT:
+        # fused steps take the scale and the flag from it ([Note: Gradient scaling])
+        "adamw_fused_scaler": {"optim": "adamw_fused", "scaler": True},
+        "adam_fused_scaler": {"optim": "adam_fused", "scaler": True, "close": True},
+        "adamw_foreach_scaler": {"optim": "adamw_foreach", "scaler": True},
     }
 )
+INF_AT = 2
 DIMS = (16, 33, 7, 13, 5)
 
 
@@ -194,7 +201,12 @@ def train(
     name = spec["optim"]
     opt = _optimizer(model, name, flat)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
-    losses, states = [], {}
+    losses, states, scales = [], {}, []
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        if spec.get("scaler")
+        else None
+    )
     for step in range(STEPS):
         if step == switch_at and spec.get("dcp"):
             opt = _dcp_handover(model, opt, _optimizer(model, name, not flat), flat, ckpt)
@@ -206,10 +218,17 @@ def train(
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s, last_epoch=step - 1)
         gen = torch.Generator().manual_seed(100 * rank + step)
         loss = model(torch.randn(8, DIMS[0], generator=gen), step).float().pow(2).mean()
-        loss.backward()
+        (scaler.scale(loss) if scaler else loss).backward()
         if step == spec.get("freeze_at"):
             model.blocks[1].lin.weight.requires_grad_(False)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            if step == INF_AT and rank == 1:
+                model.blocks[0].lin.weight.grad._local_tensor.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
         sched.step()
         opt.zero_grad(set_to_none=spec.get("set_to_none", True))
         losses.append(loss.item())
@@ -217,7 +236,7 @@ def train(
             states["mid"] = _state(opt)
     states["end"] = _state(opt)
     params = {n: _full(p.detach()).tolist() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "states": states}
+    return {"losses": losses, "params": params, "states": states, "scales": scales}
 
 
 def run(world_size: int, rank: int, spec: dict, ckpt: Path) -> dict:
@@ -273,6 +292,10 @@ def test_flat_optimizer_bitwise_as_per_parameter(results, name):
                 )
         # the run trained: the parameters moved and the state is not empty
         assert ref["losses"][0] != ref["losses"][-1]
+        if spec.get("scaler"):  # the inf was found: the scale backed off, on every rank
+            assert ref["scales"][INF_AT] == ref["scales"][INF_AT - 1] / 2, ref["scales"]
+            for run_name in [k for k in runs if k in r]:
+                assert r[run_name]["scales"] == ref["scales"], f"rank {rank} {run_name}"
 
 
 def test_non_elementwise_optimizers_are_refused():

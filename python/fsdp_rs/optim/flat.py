@@ -105,6 +105,20 @@ class _Run:
         return sb.grad_offsets[self.first], sb.grad_offsets[self.last] + sb.numels[self.last]
 
 
+# [Note: Gradient scaling]
+# ``torch.amp.GradScaler.step`` hands an optimizer whose step supports amp
+# scaling (a ``fused=True`` one; ``_step_supports_amp_scaling``, copied from the
+# shadow) its scale and its found-inf flag as attributes, ``grad_scale`` and
+# ``found_inf``, and calls ``step()`` without checking for infs itself: torch's
+# fused step unscales the gradients and, where an inf was found, leaves the
+# parameters and states as they were (its step counts put back). The shadow
+# steps, so it gets those attributes for the step. A skipped step must not
+# count in the runs' step counts either, or runs of parameters whose torch step
+# counts differ would be merged later: that costs one host read of the flag per
+# such step (GradScaler's unfused path reads it too).
+_AMP_SCALING = ("grad_scale", "found_inf")
+
+
 def _entry(run: _Run) -> tuple[int, torch.Tensor, dict]:
     """(user group, tensor, state) of ``run`` for the shadow's step."""
     return int(run.buf.user_group[run.first]), run.param, run.state
@@ -420,9 +434,16 @@ class FlatOptimizer(torch.optim.Optimizer):
         finally:
             for run in stepped:  # the gradient buffers are the runtime's to free
                 run.param.grad = None
-        for run in stepped:
-            run.buf.counts[run.first : run.last + 1] += 1
+        if not self._skipped():
+            for run in stepped:
+                run.buf.counts[run.first : run.last + 1] += 1
         return loss
+
+    def _skipped(self) -> bool:
+        """Whether torch's step just skipped every parameter ([Note: Gradient
+        scaling]): one host read of ``found_inf``, in the steps that have one."""
+        found_inf = getattr(self, "found_inf", None)
+        return found_inf is not None and bool(found_inf.item())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; ``set_to_none=True`` (the default) as one C-level
@@ -452,11 +473,18 @@ class FlatOptimizer(torch.optim.Optimizer):
             for g, params in zip(self.param_groups, per_user, strict=True)
         ]
         shadow.state = state
+        # [Note: Gradient scaling] what GradScaler set on this optimizer, for the
+        # shadow's fused step to read
+        scaling = [k for k in _AMP_SCALING if hasattr(self, k)]
+        for k in scaling:
+            setattr(shadow, k, getattr(self, k))
         try:
             shadow.step()
         finally:
             shadow.state = defaultdict(dict)
             shadow.param_groups = []
+            for k in scaling:
+                delattr(shadow, k)
 
     # ------------------------------------------------------------------ state
 
