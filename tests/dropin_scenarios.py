@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
+from fsdp_rs.optim import FlatOptimizer
 from scenario_common import (
     DIM,
     HIDDEN,
@@ -846,6 +847,82 @@ def second_model(world_size: int, rank: int, first: str = "checkpoint") -> dict:
     return out
 
 
+# ------------------------------------------------------- trainable set changes
+
+# step -> (parameters to freeze, parameters to unfreeze), by name prefix
+_FREEZE_PLAN = {
+    0: (["blocks.1.lin1.weight"], []),
+    2: (["blocks.0.lin2.bias", "blocks.2."], ["blocks.1.lin1.weight"]),
+    4: (["blocks.1.lin1.weight"], ["blocks.2."]),
+}
+
+
+def _apply_freeze_plan(model: nn.Module, step: int) -> None:
+    freeze, unfreeze = _FREEZE_PLAN.get(step, ([], []))
+    for name, p in model.named_parameters():
+        if any(name.startswith(f) for f in freeze):
+            p.requires_grad_(False)
+        if any(name.startswith(u) for u in unfreeze):
+            p.requires_grad_(True)
+
+
+def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps: int = 6) -> dict:
+    """Parameters frozen and unfrozen between steps (a whole block too), after
+    the first forward: which parameters get gradients, the losses and the
+    trained shards follow ``requires_grad`` as under FSDP2 ([Note: Trainable set
+    changes]). ``form``: "fp32", "bf16" (bf16 parameters, fp32 reduction),
+    "keep" (reshard_after_forward=False), "keep_grads"
+    (``zero_grad(set_to_none=False)``), "offload" (CPU offload), "accumulate"
+    (two micro-steps, the first without sync), "flat" (fsdp-rs steps a
+    ``FlatOptimizer``, FSDP2 the per-parameter AdamW)."""
+    kwargs: dict = {}
+    if form == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    elif form == "keep":
+        kwargs["reshard_after_forward"] = False
+    elif form == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    out = {}
+    for lib in LIBS:
+        model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)
+        if form == "flat" and lib == "rs":
+            optim = FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        else:
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, had = [], []
+        for step in range(steps):
+            _apply_freeze_plan(model, step)
+            micro = 2 if form == "accumulate" else 1
+            for m in range(micro):
+                model.set_requires_gradient_sync(m == micro - 1)
+                loss = _loss(model, _inputs(rank, step, m))
+                loss.backward()
+                losses.append(loss.item())
+            had.append([p.grad is not None for p in model.parameters()])
+            optim.step()
+            optim.zero_grad(set_to_none=form != "keep_grads")
+        out[lib] = {"losses": losses, "had": had, "params": _shards(model)}
+    return out
+
+
+def trainable_set_change_mid_accumulation(world_size: int, rank: int) -> dict:
+    """fsdp-rs: freezing a parameter between a backward without sync and the
+    synced one would lose the gradients kept so far, so it raises, naming it
+    (relative to its module)."""
+    model = _sharded("rs", _net(), _mesh(world_size, False))
+    model.set_requires_gradient_sync(False)
+    _loss(model, _inputs(rank, 0)).backward()
+    model.blocks[0].lin1.weight.requires_grad_(False)
+    model.set_requires_gradient_sync(True)
+    try:
+        _loss(model, _inputs(rank, 1)).backward()
+    except RuntimeError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
+
+
 SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "hook_counts": (post_acc_hook_counts, {}),
     "hook_counts_hsdp": (post_acc_hook_counts, {"hsdp": True, "min_world": 4}),
@@ -879,6 +956,14 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "containers_bf16": (containers, {"mp": True}),
     "after_checkpoint": (second_model, {}),
     "after_exception": (second_model, {"first": "exception"}),
+    "trainable_set": (trainable_set_changes, {}),
+    "trainable_set_bf16": (trainable_set_changes, {"form": "bf16"}),
+    "trainable_set_keep": (trainable_set_changes, {"form": "keep"}),
+    "trainable_set_keep_grads": (trainable_set_changes, {"form": "keep_grads"}),
+    "trainable_set_offload": (trainable_set_changes, {"form": "offload"}),
+    "trainable_set_accumulate": (trainable_set_changes, {"form": "accumulate"}),
+    "trainable_set_flat": (trainable_set_changes, {"form": "flat"}),
+    "trainable_set_mid_accumulation": (trainable_set_change_mid_accumulation, {}),
 }
 
 

@@ -222,16 +222,28 @@ def _subclass(kind: str, shard_kwargs: dict) -> tuple[Callable, dict]:
 
 
 def subclass_training(
-    world_size: int, rank: int, kind: str, accumulate: bool = False, **shard_kwargs
+    world_size: int,
+    rank: int,
+    kind: str,
+    accumulate: bool = False,
+    freeze: bool = False,
+    **shard_kwargs,
 ) -> dict:
-    """Training with parameters of an extension subclass, against FSDP2."""
+    """Training with parameters of an extension subclass, against FSDP2;
+    ``freeze``: an extension weight and a bias frozen after the first step
+    ([Note: Trainable set changes])."""
     wrap, model_kwargs = _subclass(kind, shard_kwargs)
     out = {}
     for lib in LIBS:
         PairV2.seen.clear()
         model = _shard(lib, _model(wrap, **model_kwargs), _mesh(world_size, False), **shard_kwargs)
         local_types = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
-        losses = _train(model, rank, accumulate)
+
+        def frozen(model=model) -> None:
+            model.blocks[0].lin1.weight.requires_grad_(False)
+            model.blocks[1].lin2.bias.requires_grad_(False)
+
+        losses = _train(model, rank, accumulate, frozen if freeze else None)
         out[lib] = {
             "losses": losses,
             **_observe(model),
@@ -378,6 +390,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "bf16_keep": (subclass_training, {"kind": "bf16", "reshard_after_forward": False}),
     "bf16_offload": (subclass_training, {"kind": "bf16", "offload": True}),
     "bf16_accumulate": (subclass_training, {"kind": "bf16", "accumulate": True}),
+    "bf16_freeze": (subclass_training, {"kind": "bf16", "freeze": True}),
     "fullgraph_bf16": (fullgraph, {"kind": "bf16"}),
     "fullgraph_bf16_keep": (fullgraph, {"kind": "bf16", "reshard_after_forward": False}),
     "fullgraph_pair": (fullgraph, {"kind": "pair_kept"}),

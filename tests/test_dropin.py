@@ -244,6 +244,33 @@ def _run_threaded(names: list[str], world_size: int) -> list[dict]:
     return results
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "trainable_set",
+        "trainable_set_bf16",
+        "trainable_set_keep",
+        "trainable_set_keep_grads",
+        "trainable_set_offload",
+        "trainable_set_accumulate",
+        "trainable_set_flat",
+    ],
+)
+def test_requires_grad_changed_between_steps(results, name):
+    """Freezing and unfreezing sharded parameters between steps: the same
+    parameters get gradients and train, bit for bit, as under FSDP2."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+        had = r["rs"]["had"]
+        if name != "trainable_set_keep_grads":  # there frozen ones keep zeroed .grads
+            assert had[0] != had[2] != had[4], "the plan changed which parameters train"
+
+
+def test_requires_grad_changed_mid_accumulation_raises(results):
+    for rank, r in _each_rank(results, "trainable_set_mid_accumulation"):
+        assert r["raised"] and "lin1.weight changed to False" in r["raised"], rank
+
+
 def test_ranks_as_threads():
     """The core scenarios with the ranks as threads of one process: nothing in
     fsdp-rs is shared between ranks, and each is bit for bit FSDP2's."""

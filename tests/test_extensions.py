@@ -42,6 +42,7 @@ def _assert_same(rank: int, rs: dict, ref: dict) -> None:
         "bf16_keep",
         "bf16_offload",
         "bf16_accumulate",
+        "bf16_freeze",
     ],
 )
 def test_subclass_training_matches_fsdp2(results, name):

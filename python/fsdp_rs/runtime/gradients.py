@@ -264,6 +264,17 @@ class GradientReduction:
         grad = self.unsharded_grad
         return grad.numel() * grad.element_size() <= self.streams.released_reduce_bytes
 
+    def holds_unreduced_grads(self) -> bool:
+        """Gradients of the unsharded parameters that no reduction has taken yet:
+        kept without sync, accumulated, placed or awaiting agreement."""
+        return (
+            self._kept is not None
+            or self._accumulated is not None
+            or self._accumulated_buffer is not None
+            or self._partial_reduce is not None
+            or self._placed
+        )
+
     def discard_gradient_state(self) -> None:
         """Drop what a failed iteration left (``reset_iter_state``): gradients
         accumulated without sync or all-reduce, a reduction awaiting agreement,

@@ -21,6 +21,22 @@ as FSDP2 re-points its parameters at its padded storage. A new dtype for all
 another mesh or mixed dtypes are refused with the parameter named. While some
 of them are still on the meta device (``to_empty`` of one module of a group
 over several) it waits; lazy init adopts before the first forward.
+
+[Note: Trainable set changes]
+Which parameters train decides the gradient layout ([Note: Gradient layout]),
+the unsharded parameters' ``requires_grad`` and the pre-placed gradient
+buffer, all made with the unsharded parameters. A user may freeze or unfreeze
+sharded parameters between steps (a backbone frozen for the first steps, LoRA
+stages), and FSDP2 follows at every unshard. So each unshard outside backward,
+from SHARDED, compares the sharded parameters' ``requires_grad`` with the set
+it planned (one C-level pass) and, where it changed, makes the unsharded
+parameters again, as at the first unshard. In backward, or from
+SHARDED_POST_FORWARD, the forward's set stays: autograd recorded the forward
+on those parameters. Gradients of the old set that no reduction has taken
+(backwards without sync) would lose their layout: that raises, naming the
+parameter. Sharded ``.grad``s kept from before (``zero_grad(set_to_none=False)``)
+are views of the old gradient buffer, which the next reduction treats as any
+gradient the user set: it adds to them per parameter.
 """
 
 from __future__ import annotations
@@ -386,14 +402,37 @@ class FSDPParamGroup(Unsharding, GradientReduction):
 
     def _read_requires_grad(self) -> None:
         """Which parameters take gradients, from the sharded ones: read again when
-        the unsharded parameters are made (the first unshard), so that freezing
-        sharded parameters before the first forward takes effect."""
+        the unsharded parameters are made (the first unshard, and after
+        [Note: Trainable set changes]), so that freezing sharded parameters
+        before a forward takes effect."""
         self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters
         self._grad_nd = None if self.nd is None else [self.nd[i] for i in self._grad_index]
         self.grad_layout = self.grad_layout_of(self._grad_index)
+
+    def trainable_set_changed(self) -> bool:
+        """Whether an unshard must make the unsharded parameters again because a
+        sharded parameter's ``requires_grad`` changed ([Note: Trainable set
+        changes]); raises where gradients of the old set wait for a reduction."""
+        if (
+            self.unsharded_params is None
+            or self.state is not ShardedState.SHARDED
+            or torch._C._current_graph_task_id() != -1  # backward: the forward's set
+            or list(map(_REQUIRES_GRAD, self.sharded_params)) == self.requires_grad
+        ):
+            return False
+        if self.holds_unreduced_grads():
+            now = list(map(_REQUIRES_GRAD, self.sharded_params))
+            i = list(map(operator.ne, now, self.requires_grad)).index(True)
+            raise RuntimeError(
+                f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} "
+                "while this group holds gradients of backwards without sync (or not yet "
+                "reduced); change requires_grad after the synced backward (or call "
+                "reset_iter_state() to drop those gradients)"
+            )
+        return True
 
     def grad_layout_of(self, index: list[int]):
         """The layout the gradients of the parameters at ``index`` (the

@@ -141,7 +141,7 @@ class Unsharding:
         the all-gather streams (see [Note: Streams])."""
         if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
             return
-        if self.unsharded_params is None:
+        if self.unsharded_params is None or self.trainable_set_changed():
             self._make_unsharded_params()
         streams = self.streams
         # Rows kept at a post-forward reshard were written on the compute stream.
