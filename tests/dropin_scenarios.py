@@ -874,7 +874,9 @@ def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps:
     "keep" (reshard_after_forward=False), "keep_grads"
     (``zero_grad(set_to_none=False)``), "offload" (CPU offload), "accumulate"
     (two micro-steps, the first without sync), "flat" (fsdp-rs steps a
-    ``FlatOptimizer``, FSDP2 the per-parameter AdamW)."""
+    ``FlatOptimizer``, FSDP2 the per-parameter AdamW), "keep_storage"
+    (``set_keep_unsharded_storage(True)``, where the library has it: the
+    unsharded parameters' storage seen in forward, per step, is recorded)."""
     kwargs: dict = {}
     if form == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -891,7 +893,15 @@ def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps:
             optim = FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
         else:
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses, had = [], []
+        losses, had, storages = [], [], []
+        if form == "keep_storage" and hasattr(model, "set_keep_unsharded_storage"):
+            model.set_keep_unsharded_storage(True)
+            for block in model.blocks:
+                block.register_forward_pre_hook(
+                    lambda m, args, seen=storages: seen.append(
+                        m.lin1.weight.untyped_storage().data_ptr()
+                    )
+                )
         for step in range(steps):
             _apply_freeze_plan(model, step)
             micro = 2 if form == "accumulate" else 1
@@ -904,6 +914,8 @@ def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps:
             optim.step()
             optim.zero_grad(set_to_none=form != "keep_grads")
         out[lib] = {"losses": losses, "had": had, "params": _shards(model)}
+        if lib == "rs":
+            out["rs_storages"] = storages
     return out
 
 
@@ -963,6 +975,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "trainable_set_offload": (trainable_set_changes, {"form": "offload"}),
     "trainable_set_accumulate": (trainable_set_changes, {"form": "accumulate"}),
     "trainable_set_flat": (trainable_set_changes, {"form": "flat"}),
+    "trainable_set_keep_storage": (trainable_set_changes, {"form": "keep_storage"}),
     "trainable_set_mid_accumulation": (trainable_set_change_mid_accumulation, {}),
 }
 

@@ -254,13 +254,18 @@ def _run_threaded(names: list[str], world_size: int) -> list[dict]:
         "trainable_set_offload",
         "trainable_set_accumulate",
         "trainable_set_flat",
+        "trainable_set_keep_storage",
     ],
 )
 def test_requires_grad_changed_between_steps(results, name):
     """Freezing and unfreezing sharded parameters between steps: the same
-    parameters get gradients and train, bit for bit, as under FSDP2."""
+    parameters get gradients and train, bit for bit, as under FSDP2; kept
+    unsharded storage keeps its data pointers through the changes."""
     for rank, r in _each_rank(results, name):
         _assert_same(rank, r["rs"], r["torch"])
+        if name == "trainable_set_keep_storage":
+            per_block = [r["rs_storages"][b::3] for b in range(3)]
+            assert all(len(set(s)) == 1 and len(s) == 6 for s in per_block), per_block
         had = r["rs"]["had"]
         if name != "trainable_set_keep_grads":  # there frozen ones keep zeroed .grads
             assert had[0] != had[2] != had[4], "the plan changed which parameters train"

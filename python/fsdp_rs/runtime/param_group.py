@@ -30,7 +30,8 @@ sharded parameters between steps (a backbone frozen for the first steps, LoRA
 stages), and FSDP2 follows at every unshard. So each unshard outside backward,
 from SHARDED, compares the sharded parameters' ``requires_grad`` with the set
 it planned (one C-level pass) and, where it changed, makes the unsharded
-parameters again, as at the first unshard. In backward, or from
+parameters again, as at the first unshard, over the same unsharded storage
+(``set_keep_unsharded_storage`` keeps its data pointers). In backward, or from
 SHARDED_POST_FORWARD, the forward's set stays: autograd recorded the forward
 on those parameters. Gradients of the old set that no reduction has taken
 (backwards without sync) would lose their layout: that raises, naming the
@@ -548,9 +549,16 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     def _make_unsharded_params(self) -> None:
         self._read_requires_grad()
         plan = self.plan
-        self.unsharded = torch.empty(
-            plan.unsharded_numel, dtype=self.param_dtype, device=self.device
-        )
+        old = getattr(self, "unsharded", None)
+        if (  # [Note: Trainable set changes] the same storage, kept or not
+            old is None
+            or old.numel() != plan.unsharded_numel
+            or old.dtype != self.param_dtype
+            or old.device != self.device
+        ):
+            self.unsharded = torch.empty(
+                plan.unsharded_numel, dtype=self.param_dtype, device=self.device
+            )
         offsets = plan.unsharded_offsets.tolist()
         storage = self.unsharded.untyped_storage()
         shapes, strides = self._unsharded_shapes()
