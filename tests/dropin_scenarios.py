@@ -935,6 +935,45 @@ def trainable_set_change_mid_accumulation(world_size: int, rank: int) -> dict:
     return {"raised": None}
 
 
+def inference_first(world_size: int, rank: int, form: str = "fp32", steps: int = 4) -> dict:
+    """An evaluation forward before training and between steps (as a
+    validation sanity pass does): fsdp-rs under ``torch.inference_mode()``,
+    FSDP2 under ``torch.no_grad()`` (its buffers made in inference mode would
+    fail the training forward; [Note: Made outside inference mode]). The
+    evaluation outputs, losses and trained shards are the same bits. ``form``:
+    "fp32", "bf16", "keep" (reshard_after_forward=False), "reshard_2" (W = 4),
+    "offload"."""
+    kwargs: dict = {}
+    if form == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    elif form == "keep":
+        kwargs["reshard_after_forward"] = False
+    elif form == "reshard_2":
+        kwargs["reshard_after_forward"] = 2
+    elif form == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    out = {}
+    for lib in LIBS:
+        model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        evaluated, losses = [], []
+        for step in range(steps):
+            if step % 2 == 0:
+                model.eval()
+                with torch.inference_mode() if lib == "rs" else torch.no_grad():
+                    evaluated.append(_loss(model, _inputs(rank, step, 7)).item())
+                model.train()
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"evaluated": evaluated, "losses": losses, "params": _shards(model)}
+    return out
+
+
 SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "hook_counts": (post_acc_hook_counts, {}),
     "hook_counts_hsdp": (post_acc_hook_counts, {"hsdp": True, "min_world": 4}),
@@ -977,6 +1016,11 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "trainable_set_flat": (trainable_set_changes, {"form": "flat"}),
     "trainable_set_keep_storage": (trainable_set_changes, {"form": "keep_storage"}),
     "trainable_set_mid_accumulation": (trainable_set_change_mid_accumulation, {}),
+    "inference_first": (inference_first, {}),
+    "inference_first_bf16": (inference_first, {"form": "bf16"}),
+    "inference_first_keep": (inference_first, {"form": "keep"}),
+    "inference_first_reshard_2": (inference_first, {"form": "reshard_2", "min_world": 4}),
+    "inference_first_offload": (inference_first, {"form": "offload"}),
 }
 
 

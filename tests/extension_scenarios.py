@@ -227,17 +227,25 @@ def subclass_training(
     kind: str,
     accumulate: bool = False,
     freeze: bool = False,
+    inference: bool = False,
     **shard_kwargs,
 ) -> dict:
     """Training with parameters of an extension subclass, against FSDP2;
     ``freeze``: an extension weight and a bias frozen after the first step
-    ([Note: Trainable set changes])."""
+    ([Note: Trainable set changes]); ``inference``: an evaluation forward first,
+    fsdp-rs under ``torch.inference_mode()``, FSDP2 under ``torch.no_grad()``
+    ([Note: Made outside inference mode])."""
     wrap, model_kwargs = _subclass(kind, shard_kwargs)
     out = {}
     for lib in LIBS:
         PairV2.seen.clear()
         model = _shard(lib, _model(wrap, **model_kwargs), _mesh(world_size, False), **shard_kwargs)
         local_types = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
+
+        evaluated = []
+        if inference:
+            with torch.inference_mode() if lib == "rs" else torch.no_grad():
+                evaluated = _values(model(_inputs(rank, 99)).sum())
 
         def frozen(model=model) -> None:
             model.blocks[0].lin1.weight.requires_grad_(False)
@@ -249,6 +257,7 @@ def subclass_training(
             **_observe(model),
             "local_types": local_types,
             "seen": sorted(set(PairV2.seen)),
+            "evaluated": evaluated,
         }
     return out
 
@@ -391,6 +400,8 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "bf16_offload": (subclass_training, {"kind": "bf16", "offload": True}),
     "bf16_accumulate": (subclass_training, {"kind": "bf16", "accumulate": True}),
     "bf16_freeze": (subclass_training, {"kind": "bf16", "freeze": True}),
+    "bf16_inference": (subclass_training, {"kind": "bf16", "inference": True}),
+    "pair_v2_inference": (subclass_training, {"kind": "pair_v2", "inference": True}),
     "fullgraph_bf16": (fullgraph, {"kind": "bf16"}),
     "fullgraph_bf16_keep": (fullgraph, {"kind": "bf16", "reshard_after_forward": False}),
     "fullgraph_pair": (fullgraph, {"kind": "pair_kept"}),

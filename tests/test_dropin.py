@@ -271,6 +271,24 @@ def test_requires_grad_changed_between_steps(results, name):
             assert had[0] != had[2] != had[4], "the plan changed which parameters train"
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "inference_first",
+        "inference_first_bf16",
+        "inference_first_keep",
+        "inference_first_reshard_2",
+        "inference_first_offload",
+    ],
+)
+def test_inference_mode_forward_before_training(results, name):
+    """An evaluation under ``torch.inference_mode()`` before and between
+    training steps: the same bits as FSDP2 evaluating under ``no_grad``."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+        assert len(r["rs"]["evaluated"]) == 2, rank
+
+
 def test_requires_grad_changed_mid_accumulation_raises(results):
     for rank, r in _each_rank(results, "trainable_set_mid_accumulation"):
         assert r["raised"] and "lin1.weight changed to False" in r["raised"], rank

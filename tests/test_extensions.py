@@ -43,6 +43,8 @@ def _assert_same(rank: int, rs: dict, ref: dict) -> None:
         "bf16_offload",
         "bf16_accumulate",
         "bf16_freeze",
+        "bf16_inference",
+        "pair_v2_inference",
     ],
 )
 def test_subclass_training_matches_fsdp2(results, name):

@@ -42,6 +42,7 @@ trace], ``runtime/traced_extension.py``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 
@@ -311,37 +312,41 @@ class ExtensionParamGroup(FSDPParamGroup):
         world = self.info.shard_size
         gathered = out.view(world, -1)
         first = self.unsharded_params is None
-        if first:
-            self._read_requires_grad()
-            self._outputs = [
-                [torch.empty(world * t.numel(), dtype=t.dtype, device=self.device) for t in ins]
-                for ins, _ in per_param
-            ]
-            self._inner = [[] for _ in per_param]
-            params: list[nn.Parameter] = []
-        offset = 0
-        with torch.no_grad():
-            for i, (inputs, metadata) in enumerate(per_param):
-                outputs = self._outputs[i]
-                for t, o in zip(inputs, outputs, strict=True):
-                    nbytes = t.numel() * t.element_size()
-                    _alloc(o)
-                    with torch.autograd._unsafe_preserve_version_counter(o):
-                        o.view(world, -1).view(torch.uint8).copy_(
-                            gathered[:, offset : offset + nbytes]
-                        )
-                    offset += nbytes
-                unflat = tuple(
-                    o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
-                )
-                local = self.sharded_params[i]._local_tensor
-                post = getattr(local, _POST, None)
-                if first:
-                    params.append(self._new_unsharded(i, post, unflat, metadata))
-                elif post is not None:
-                    for t in self._inner[i]:
-                        _alloc(t)
-                    post(unflat, metadata, self.param_dtype, out=self.unsharded_params[i])
+        # [Note: Made outside inference mode] (runtime/unshard.py): the buffers and
+        # parameters made at the first unshard
+        made_here = torch.inference_mode(False) if first else contextlib.nullcontext()
+        with made_here:
+            if first:
+                self._read_requires_grad()
+                self._outputs = [
+                    [torch.empty(world * t.numel(), dtype=t.dtype, device=self.device) for t in ins]
+                    for ins, _ in per_param
+                ]
+                self._inner = [[] for _ in per_param]
+                params: list[nn.Parameter] = []
+            offset = 0
+            with torch.no_grad():
+                for i, (inputs, metadata) in enumerate(per_param):
+                    outputs = self._outputs[i]
+                    for t, o in zip(inputs, outputs, strict=True):
+                        nbytes = t.numel() * t.element_size()
+                        _alloc(o)
+                        with torch.autograd._unsafe_preserve_version_counter(o):
+                            o.view(world, -1).view(torch.uint8).copy_(
+                                gathered[:, offset : offset + nbytes]
+                            )
+                        offset += nbytes
+                    unflat = tuple(
+                        o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
+                    )
+                    local = self.sharded_params[i]._local_tensor
+                    post = getattr(local, _POST, None)
+                    if first:
+                        params.append(self._new_unsharded(i, post, unflat, metadata))
+                    elif post is not None:
+                        for t in self._inner[i]:
+                            _alloc(t)
+                        post(unflat, metadata, self.param_dtype, out=self.unsharded_params[i])
         if first:
             self.unsharded_params = params
             self._unsharded_with_grad = [params[i] for i in self._grad_index]

@@ -96,6 +96,15 @@ def _new_post_forward_process_group(info: MeshInfo, size: int) -> dist.ProcessGr
     return mine
 
 
+# [Note: Made outside inference mode]
+# The unsharded buffer and parameters live as long as the group. Made under
+# ``torch.inference_mode()`` (a first forward that evaluates, as a validation
+# pass before training does), they would be inference tensors, which no later
+# training forward may write (the copy-out) or save for backward; FSDP2 fails
+# there. fsdp-rs makes them outside inference mode; writing normal tensors
+# inside it is allowed, so an inference forward works before or after training.
+
+
 def outside_functorch(method: Callable) -> Callable:
     """Run ``method`` with functorch disabled; see [Note: Outside functorch]."""
 
@@ -142,7 +151,8 @@ class Unsharding:
         if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
             return
         if self.unsharded_params is None or self.trainable_set_changed():
-            self._make_unsharded_params()
+            with torch.inference_mode(False):  # [Note: Made outside inference mode]
+                self._make_unsharded_params()
         streams = self.streams
         # Rows kept at a post-forward reshard were written on the compute stream.
         streams.all_gather_streams_wait(self._post_forward_event)
