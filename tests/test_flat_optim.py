@@ -92,6 +92,11 @@ SCENARIOS.update(
         "adamw_fused_scaler": {"optim": "adamw_fused", "scaler": True},
         "adam_fused_scaler": {"optim": "adam_fused", "scaler": True, "close": True},
         "adamw_foreach_scaler": {"optim": "adamw_foreach", "scaler": True},
+        # the optimizer holds some of each group's parameters, another one the
+        # rest: states for its own only ([Note: Flat state layout])
+        "adamw_split": {"optim": "adamw", "split": True},
+        "adamw_split_resume": {"optim": "adamw", "split": True, "resume": True},
+        "adagrad_split": {"optim": "adagrad", "split": True},
     }
 )
 INF_AT = 2
@@ -150,10 +155,39 @@ def _param_groups(model: nn.Module, kwargs: dict) -> list[dict]:
     return [{"params": weights}, second]
 
 
-def _optimizer(model: nn.Module, name: str, flat: bool):
+def _optimizer(model: nn.Module, name: str, flat: bool, split: bool = False):
+    """``split``: it holds the ``lin`` layers only (``_second_optimizer`` the rest)."""
     cls, kwargs = OPTIMIZERS[name]
     groups = _param_groups(model, kwargs)
+    if split:
+        held = {id(p) for n, p in model.named_parameters() if ".lin." in n}
+        groups = [{**g, "params": [p for p in g["params"] if id(p) in held]} for g in groups]
     return FlatOptimizer(groups, cls, **kwargs) if flat else cls(groups, **kwargs)
+
+
+def _second_optimizer(model: nn.Module):
+    """What a split leaves to another optimizer (as Muon takes the matrices)."""
+    rest = [p for n, p in model.named_parameters() if ".lin." not in n]
+    return torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+
+
+def _state_bytes(opt) -> tuple[int, int]:
+    """(bytes of the optimizer's elementwise states, bytes a per-parameter optimizer
+    would hold plus the flat layout's padding bound: per state, 16 elements a
+    block and up to 16 between parameters, where the rows align them to 16 bytes)."""
+    per_param = pad = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                local = v._local_tensor if isinstance(v, DTensor) else v
+                per_param += local.numel() * local.element_size()
+                pad += 32 * local.element_size()
+    if not isinstance(opt, FlatOptimizer):
+        return per_param, per_param
+    flat = sum(
+        f.numel() * f.element_size() for gs in opt._groups.values() for f in gs.flat.values()
+    )
+    return flat, per_param + pad
 
 
 def _full(t):
@@ -199,7 +233,9 @@ def train(
     loaded from its ``state_dict``)."""
     model = _model(spec, world_size)
     name = spec["optim"]
-    opt = _optimizer(model, name, flat)
+    split = spec.get("split", False)
+    opt = _optimizer(model, name, flat, split)
+    second = _second_optimizer(model) if split else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
     losses, states, scales = [], {}, []
     scaler = (
@@ -209,11 +245,11 @@ def train(
     )
     for step in range(STEPS):
         if step == switch_at and spec.get("dcp"):
-            opt = _dcp_handover(model, opt, _optimizer(model, name, not flat), flat, ckpt)
+            opt = _dcp_handover(model, opt, _optimizer(model, name, not flat, split), flat, ckpt)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s, last_epoch=step - 1)
         elif step == switch_at:
             sd = opt.state_dict()
-            opt = _optimizer(model, name, not flat)
+            opt = _optimizer(model, name, not flat, split)
             opt.load_state_dict(sd)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s, last_epoch=step - 1)
         gen = torch.Generator().manual_seed(100 * rank + step)
@@ -231,12 +267,21 @@ def train(
             scales.append(scaler.get_scale())
         sched.step()
         opt.zero_grad(set_to_none=spec.get("set_to_none", True))
+        if second is not None:
+            second.step()
+            second.zero_grad()
         losses.append(loss.item())
         if step == 2:
             states["mid"] = _state(opt)
     states["end"] = _state(opt)
     params = {n: _full(p.detach()).tolist() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "states": states, "scales": scales}
+    return {
+        "losses": losses,
+        "params": params,
+        "states": states,
+        "scales": scales,
+        "state_bytes": _state_bytes(opt),
+    }
 
 
 def run(world_size: int, rank: int, spec: dict, ckpt: Path) -> dict:
@@ -292,6 +337,9 @@ def test_flat_optimizer_bitwise_as_per_parameter(results, name):
                 )
         # the run trained: the parameters moved and the state is not empty
         assert ref["losses"][0] != ref["losses"][-1]
+        # no more state memory than the per-parameter optimizer (and its padding)
+        held, bound = r["flat"]["state_bytes"]
+        assert held <= bound, f"rank {rank}: flat states {held} B > {bound} B"
         if spec.get("scaler"):  # the inf was found: the scale backed off, on every rank
             assert ref["scales"][INF_AT] == ref["scales"][INF_AT - 1] / 2, ref["scales"]
             for run_name in [k for k in runs if k in r]:

@@ -100,9 +100,30 @@ class _Run:
 
     @property
     def grad_span(self) -> tuple[int, int]:
-        """Where it lies in the gradient buffer and the flat states."""
+        """Where it lies in the gradient buffer."""
         sb = self.buf.sb
         return sb.grad_offsets[self.first], sb.grad_offsets[self.last] + sb.numels[self.last]
+
+    @property
+    def state_span(self) -> tuple[int, int]:
+        """Where it lies in the flat states ([Note: Flat state layout])."""
+        a, b = self.grad_span
+        start = int(self.buf.state_offsets[self.first])
+        return start, start + (b - a)
+
+
+# [Note: Flat state layout]
+# A group's elementwise states (``exp_avg``, ...) are flat buffers holding the
+# parameters this optimizer steps, not the whole group: with Muon for the
+# matrices and AdamW for the rest (or any split of a model's parameters between
+# optimizers), a buffer over every trainable parameter would keep AdamW state
+# for the matrices too, more memory than the per-parameter optimizer. Each run
+# of consecutive held parameters (a run never crosses one the optimizer does not
+# hold, nor a frozen one) keeps the gradient layout's gaps, so a run's states
+# are one slice of the length of its gradient slice; blocks start 16-element
+# aligned. When the held or trainable set changes, the states move to the new
+# layout.
+_STATE_ALIGN = 16
 
 
 # [Note: Gradient scaling]
@@ -144,13 +165,38 @@ class _GroupState:
         self.whole_runs = False
         # in the gradient layout: has a gradient when the buffer is whole
         self.trainable = np.fromiter((o >= 0 for o in sb.grad_offsets), dtype=bool, count=n)
+        self.state_offsets = np.full(n, -1, dtype=np.int64)  # plan_states()
+        self.state_numel = 0
+
+    def plan_states(self) -> None:
+        """Where each of this optimizer's parameters keeps its states in the flat
+        buffers ([Note: Flat state layout]); -1 for one it does not step."""
+        sb = self.sb
+        grad_offsets = np.asarray(sb.grad_offsets, dtype=np.int64)
+        numels = np.asarray(sb.numels, dtype=np.int64)
+        held = (grad_offsets >= 0) & (self.user_group >= 0)
+        offsets = np.full(len(held), -1, dtype=np.int64)
+        end = 0
+        if held.any():  # blocks of consecutive held parameters, one numpy pass
+            prev = np.concatenate(([False], held[:-1]))
+            nxt = np.concatenate((held[1:], [False]))
+            starts = np.flatnonzero(held & ~prev)
+            ends = np.flatnonzero(held & ~nxt)
+            lengths = grad_offsets[ends] + numels[ends] - grad_offsets[starts]
+            aligned = -(-lengths // _STATE_ALIGN) * _STATE_ALIGN
+            bases = np.concatenate(([0], np.cumsum(aligned)[:-1]))
+            block = np.cumsum(held & ~prev) - 1  # the block each held parameter is in
+            index = np.flatnonzero(held)
+            b = block[index]
+            offsets[index] = bases[b] + grad_offsets[index] - grad_offsets[starts[b]]
+            end = int(bases[-1] + lengths[-1])
+        self.state_offsets, self.state_numel = offsets, end
 
     def flat_buffer(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """The flat buffer of state ``key`` (zeros in the gradient layout, made once)."""
+        """The flat buffer of state ``key`` (zeros in the state layout, made once)."""
         flat = self.flat.get(key)
         if flat is None:
-            sb = self.sb
-            flat = torch.zeros(sb.grad_numel, dtype=dtype, device=sb.sharded.device)
+            flat = torch.zeros(self.state_numel, dtype=dtype, device=self.sb.sharded.device)
             self.flat[key] = flat
         return flat
 
@@ -226,13 +272,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         found, _ = sharded_buffers([p for g in self.param_groups for p in g["params"]])
         groups: dict[int, _GroupState] = {}
         relaid: list[_GroupState] = []
+        olds = []
         for sb in found:
             old = next((gs for gs in self._groups.values() if _same(gs.sb.params, sb.params)), None)
             gs = _GroupState(sb)
-            if old is not None and old.sb.grad_offsets == sb.grad_offsets:
-                gs.counts, gs.flat = old.counts, old.flat  # a moved buffer, or new groups
-            elif old is not None:  # another trainable set: the states move to the new layout
-                relaid.append(gs)
+            olds.append((gs, old))
             groups[id(sb.sharded)] = gs
         # Frozen parameters have no place in the gradient layout: a .grad set on one
         # is stepped per parameter, as torch steps it.
@@ -252,6 +296,14 @@ class FlatOptimizer(torch.optim.Optimizer):
                 else:
                     hit[0].user_group[hit[1]] = ug
             others.append(mine)
+        for gs, old in olds:
+            gs.plan_states()
+            if old is None:
+                continue
+            if np.array_equal(old.state_offsets, gs.state_offsets):
+                gs.counts, gs.flat = old.counts, old.flat  # a moved buffer, or new groups
+            else:  # another trainable or held set: the states move to the new layout
+                relaid.append(gs)
         self._groups, self._others, self._layout_key = groups, others, key
         for gs in relaid:
             self._import_group(gs)
@@ -350,7 +402,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         run = _Run(gs, first, last, None)
         a, b = run.span
         run.param = sb.sharded[a:b]
-        a, b = run.grad_span
+        a, b = run.state_span
         members = sb.params[first : last + 1]
         head = self.state.get(members[0])
         if not head:  # torch makes the state at this step; _adopt_state moves it
@@ -372,7 +424,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         """After a run's first step: its elementwise states move into the group's
         flat buffers, and each parameter's ``self.state`` gets views of them."""
         gs, sb = run.buf, run.buf.sb
-        a, b = run.grad_span
+        a, b = run.state_span
         for k, v in list(run.state.items()):
             if torch.is_tensor(v) and v.dim() == 1 and v.shape == run.param.shape:
                 flat = gs.flat_buffer(k, v.dtype)
@@ -385,12 +437,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             self.state[sb.params[i]] = self._param_state(gs, i, run.state)
 
     def _param_state(self, gs: _GroupState, i: int, run_state: dict) -> dict:
-        p, sb = gs.sb.params[i], gs.sb
+        p = gs.sb.params[i]
         local = p._local_tensor
         st = {}
         for k, v in run_state.items():
             if k in gs.flat:
-                off = sb.grad_offsets[i]
+                off = int(gs.state_offsets[i])
                 view = gs.flat[k].as_strided(local.shape, local.stride(), off)
                 st[k] = DTensor.from_local(
                     view,
@@ -518,7 +570,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         sb = gs.sb
         for i, p in enumerate(sb.params):
             st = self.state.get(p)
-            off = sb.grad_offsets[i]
+            off = int(gs.state_offsets[i])
             if not st or off < 0:
                 continue
             step = st.get("step", 0)
