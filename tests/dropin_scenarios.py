@@ -849,6 +849,23 @@ def second_model(world_size: int, rank: int, first: str = "checkpoint") -> dict:
 
 # ------------------------------------------------------- trainable set changes
 
+
+def _form_kwargs(form: str) -> dict:
+    """``fully_shard`` keyword arguments of a scenario form: "bf16" (bf16
+    parameters, fp32 reduction), "keep" (reshard_after_forward=False),
+    "reshard_2", "offload" (CPU offload); none for any other form."""
+    if form == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return {"mp_policy": mp}
+    if form == "offload":
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    if form == "keep":
+        return {"reshard_after_forward": False}
+    if form == "reshard_2":
+        return {"reshard_after_forward": 2}
+    return {}
+
+
 # step -> (parameters to freeze, parameters to unfreeze), by name prefix
 _FREEZE_PLAN = {
     0: (["blocks.1.lin1.weight"], []),
@@ -877,15 +894,7 @@ def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps:
     ``FlatOptimizer``, FSDP2 the per-parameter AdamW), "keep_storage"
     (``set_keep_unsharded_storage(True)``, where the library has it: the
     unsharded parameters' storage seen in forward, per step, is recorded)."""
-    kwargs: dict = {}
-    if form == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-    elif form == "keep":
-        kwargs["reshard_after_forward"] = False
-    elif form == "offload":
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    kwargs = _form_kwargs(form)
     out = {}
     for lib in LIBS:
         model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)
@@ -943,17 +952,7 @@ def inference_first(world_size: int, rank: int, form: str = "fp32", steps: int =
     evaluation outputs, losses and trained shards are the same bits. ``form``:
     "fp32", "bf16", "keep" (reshard_after_forward=False), "reshard_2" (W = 4),
     "offload"."""
-    kwargs: dict = {}
-    if form == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-    elif form == "keep":
-        kwargs["reshard_after_forward"] = False
-    elif form == "reshard_2":
-        kwargs["reshard_after_forward"] = 2
-    elif form == "offload":
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    kwargs = _form_kwargs(form)
     out = {}
     for lib in LIBS:
         model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)

@@ -52,6 +52,16 @@ def _stage_inputs(stage: int, dp: int, step: int) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, DIM, generator=gen)
 
 
+def _trained(model, mesh, raf, batch, steps: int) -> dict:
+    """``model`` sharded per block and at the root over ``mesh`` by fsdp-rs (FSDP2
+    hangs where the mesh is a slice), trained: what ``_train`` observes, and the
+    trained parameters."""
+    for block in model.blocks:
+        fsdp_rs.fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+    fsdp_rs.fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+    return {**_train(model, batch, _mse, steps), "params": _params(model)}
+
+
 def sliced_dp(world_size: int, rank: int, slicing: str, steps: int = 2) -> dict:
     """Per ``reshard_after_forward`` (True, 2): losses, gradient norms, the last
     gradients and the trained parameters."""
@@ -66,11 +76,7 @@ def sliced_dp(world_size: int, rank: int, slicing: str, steps: int = 2) -> dict:
             stage = mesh.get_coordinate()[0]
             model = _net(seed=stage)
             batch = functools.partial(_stage_inputs, stage, mesh["dp"].get_local_rank())
-        dp_mesh = mesh["dp"]
-        for block in model.blocks:
-            fsdp_rs.fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
-        fsdp_rs.fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf)
-        out[str(raf)] = {**_train(model, batch, _mse, steps), "params": _params(model)}
+        out[str(raf)] = _trained(model, mesh["dp"], raf, batch, steps)
     return out
 
 
@@ -81,13 +87,9 @@ def after_uneven_groups(world_size: int, rank: int, steps: int = 2) -> dict:
     dist.new_group([0])
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
+    batch = functools.partial(_stage_inputs, 0, rank)
     for raf in (True, 2):
-        model = _net()
-        for block in model.blocks:
-            fsdp_rs.fully_shard(block, mesh=mesh, reshard_after_forward=raf)
-        fsdp_rs.fully_shard(model, mesh=mesh, reshard_after_forward=raf)
-        batch = functools.partial(_stage_inputs, 0, rank)
-        out[str(raf)] = {**_train(model, batch, _mse, steps), "params": _params(model)}
+        out[str(raf)] = _trained(_net(), mesh, raf, batch, steps)
     return out
 
 

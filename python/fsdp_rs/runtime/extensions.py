@@ -268,8 +268,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
             return
         if self.trainable_set_changed():  # [Note: Trainable set changes]
-            self._read_requires_grad()
-            self._reset_unsharded()
+            self._reset_unsharded()  # the first wait after it reads requires_grad again
         streams, info = self.streams, self.info
         copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
         chunk_rows = self.plan.chunk_rows.tolist()

@@ -421,11 +421,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             self.unsharded_params is None
             or self.state is not ShardedState.SHARDED
             or torch._C._current_graph_task_id() != -1  # backward: the forward's set
-            or list(map(_REQUIRES_GRAD, self.sharded_params)) == self.requires_grad
         ):
             return False
+        now = list(map(_REQUIRES_GRAD, self.sharded_params))
+        if now == self.requires_grad:
+            return False
         if self.holds_unreduced_grads():
-            now = list(map(_REQUIRES_GRAD, self.sharded_params))
             i = list(map(operator.ne, now, self.requires_grad)).index(True)
             raise RuntimeError(
                 f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} "
