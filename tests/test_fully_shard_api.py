@@ -320,23 +320,6 @@ def test_bad_input(fake2):
         fully_shard(scalar)
 
 
-@pytest.mark.skipif(
-    not hasattr(torch.empty(0), "grad_dtype"), reason="this torch has no grad_dtype"
-)
-def test_grad_dtype_other_than_the_dtype_is_refused(fake2):
-    """A parameter's grad_dtype (torch >= 2.10) other than its dtype: FSDP2 2.15
-    gives its gradients that dtype, fsdp-rs would give the parameter's, so it
-    refuses instead of dropping the setting; grad_dtype equal to the dtype (the
-    default) passes."""
-    lin = nn.Linear(4, 4).to(torch.bfloat16)
-    lin.bias.grad_dtype = torch.float32
-    with pytest.raises(ValueError, match=r"parameter bias has grad_dtype torch\.float32"):
-        fully_shard(lin)
-    lin.bias.grad_dtype = torch.bfloat16
-    fully_shard(lin)
-    assert lin.bias.grad_dtype == torch.bfloat16
-
-
 def test_public_names():
     for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
                  "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method",

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs.bench.memory import CONFIGS, PHASES, measure
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stream_sim import simulated_streams
@@ -36,6 +37,9 @@ EXTRA = {
     # [Note: Manual backward finalization]: every micro-step without sync, then
     # finalize_backward() reduces (FSDP2's needs torch >= 2.15)
     "manual_accumulate_4": (2, {"micro": 4, "manual": True}),
+    # bf16 parameters that keep fp32 gradients ([Note: Gradient dtype policy],
+    # torch >= 2.15), stepped by SGD with momentum (torch's AdamW refuses them)
+    "bf16_params_fp32_grads": (2, {"bf16_params": True, "grad_fp32": True}),
 }
 
 
@@ -57,6 +61,8 @@ def _config(config: str, monkeypatch) -> str:
     added to ``CONFIGS`` for the test."""
     if config in EXTRA:
         monkeypatch.setitem(CONFIGS, config, EXTRA[config])
+    if CONFIGS[config][1].get("grad_fp32") and not fsdp2_has_grad_dtype_policy():
+        pytest.skip("this torch's FSDP2 keeps no per-parameter grad_dtype")
     return config
 
 

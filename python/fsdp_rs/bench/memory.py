@@ -90,6 +90,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def _prepare(model: nn.Module, options: dict) -> nn.Module:
     """The config's changes to a freshly built model: weights frozen, blocks
     checkpointed."""
+    if options.get("grad_fp32"):  # torch >= 2.15: [Note: Gradient dtype policy]
+        for p in model.parameters():
+            p.grad_dtype = torch.float32
     if options.get("frozen_weights"):
         _freeze_weights(model)
     if options.get("ac"):
@@ -120,6 +123,35 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
 
+def _compute_dtype(options: dict) -> torch.dtype:
+    return torch.bfloat16 if options.get("mp") or options.get("bf16_params") else torch.float32
+
+
+def _storage_dtype(options: dict) -> torch.dtype:
+    """The parameters' dtype, and the input's (mixed precision casts that)."""
+    return torch.bfloat16 if options.get("bf16_params") else torch.float32
+
+
+def _optimizer(params: list, options: dict, library: str):
+    """AdamW, or FlatOptimizer(AdamW) for fsdp-rs under ``flat``; SGD with
+    momentum where gradients have another dtype than their parameters."""
+    if options.get("grad_fp32"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
+        from fsdp_rs.optim import FlatOptimizer
+
+        return FlatOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _optimizer_bytes(trained: list, options: dict) -> int:
+    """The optimizer's states: SGD's momentum in the gradient dtype, or AdamW's
+    two copies of each parameter and a step count."""
+    if options.get("grad_fp32"):
+        return sum(p.to_local().numel() * p.grad_dtype.itemsize for p in trained)
+    return sum(2 * p.to_local().numel() * p.element_size() + 4 for p in trained)
+
+
 def _activations(name: str, options: dict, dim: int, layers: int, batch: int, device):
     """What a forward and the loss leave for backward (``activation_profile``),
     measured on a copy built under ``FakeTensorMode`` for the measured device,
@@ -129,7 +161,7 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
 
     from fsdp_rs.runtime.activation_profile import activation_profile
 
-    dtype = torch.bfloat16 if options.get("mp") else torch.float32
+    dtype = _compute_dtype(options)
     default = torch.get_default_dtype()
     with FakeTensorMode(), torch.device(device):
         torch.set_default_dtype(dtype)  # built in place: .to() cannot swap tied fakes
@@ -137,7 +169,9 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
             copy = _model(name, dim, layers)
         finally:
             torch.set_default_dtype(default)
-        _prepare(copy, options)
+        # grad_dtype left out: a synced backward computes the gradients in the
+        # compute dtype ([Note: Wider gradient accumulation] in runtime/gradients.py)
+        _prepare(copy, {k: v for k, v in options.items() if k != "grad_fp32"})
         x = _input(name, dim, batch, device, dtype)
         return activation_profile(copy, [*_blocks(copy), copy], x, loss_fn=_loss)
 
@@ -151,10 +185,8 @@ def _predict(
     on an accelerator they are on the host) and the input are resident."""
     from fsdp_rs.runtime.memory_plan import predict_memory
 
-    trained = [
-        p.to_local() for p in model.parameters() if p.requires_grad and p.device.type == device.type
-    ]
-    optimizer = sum(2 * p.numel() * p.element_size() + 4 for p in trained)
+    trained = [p for p in model.parameters() if p.requires_grad and p.device.type == device.type]
+    optimizer = _optimizer_bytes(trained, options)
     predicted = predict_memory(
         model,
         activations=activations,
@@ -295,22 +327,18 @@ def measure(
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     requested_base = _requested("current") if device.type == "cuda" else 0
     with contextlib.ExitStack() as stack:
-        model = _prepare(_model(name, dim, layers).to(device), options)
+        model = _model(name, dim, layers).to(device, _storage_dtype(options))
+        model = _prepare(model, options)
         meter = stack.enter_context(_Meter(device, (model,), base, requested_base))
         for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        x = _input(name, dim, batch, device)
+        x = _input(name, dim, batch, device, _storage_dtype(options))
         predicted = None
         if activations is not None:
             predicted = _predict(model, options, activations, x.nbytes, device)
         trained = [p for p in model.parameters() if p.requires_grad]
-        if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
-            from fsdp_rs.optim import FlatOptimizer
-
-            opt = FlatOptimizer(trained, torch.optim.AdamW, lr=1e-3)
-        else:
-            opt = torch.optim.AdamW(trained, lr=1e-3)
+        opt = _optimizer(trained, options, library)
         if not meter.cuda:
             meter._tracker.track_external(model, opt)
         micro = options.get("micro", 1)

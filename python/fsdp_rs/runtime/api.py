@@ -23,6 +23,7 @@ from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
 from fsdp_rs.runtime.finalize import GradientReductionHandle
+from fsdp_rs.runtime.grad_dtypes import grad_dtype_keys, grad_policies
 from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -37,7 +38,6 @@ _CLASS_CACHE: dict[type, type] = {}
 # registry would stop nn.Module._apply from swapping the (DTensor) parameters.
 _OWNER_ATTR = "_fsdp_rs_owner"
 _DTYPE = operator.attrgetter("dtype")
-_GRAD_DTYPE = operator.attrgetter("grad_dtype")
 
 
 def _gc_paused(fn: Callable) -> Callable:
@@ -116,7 +116,7 @@ def fully_shard(
     reshard_after_forward = _spmd_reshard(reshard_after_forward, info)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
-    _refuse_grad_dtypes(managed)
+    grad_keys = grad_dtype_keys(managed, mp_policy)  # [Note: Gradient dtype policy]
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
     if managed.params:
@@ -130,8 +130,10 @@ def fully_shard(
                 refuse_on_dtensor(fqn)
         other_dim = [d != 0 for d in dims]
         meshes = list(map(_mesh_key, infos))  # [Note: Per-parameter meshes]
-        keys = list(zip(_group_keys(managed, mp_policy), extension, other_dim, meshes, strict=True))
+        dtype_keys = _group_keys(managed, mp_policy)
+        keys = list(zip(dtype_keys, extension, other_dim, grad_keys, meshes, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
+        grad = grad_policies(managed, keys, mp_policy)
         pin = offload and offload_policy.pin_memory
         groups = []
         for part, key in zip(parts, dict.fromkeys(keys), strict=True):
@@ -141,12 +143,12 @@ def fully_shard(
                 size = _post_forward_size(reshard_after_forward, part_info.shard_size)
             args = (part, modules, part_info, _policy_for(mp_policy, key[0]), offload, pin)
             if key[1]:
-                groups.append(ExtensionParamGroup(*args, size))
+                groups.append(ExtensionParamGroup(*args, size, grad_policy=grad[key]))
             elif key[2]:
                 part_dims = [d for d, k in zip(dims, keys, strict=True) if k == key]
-                groups.append(ShardDimGroup(*args, None, dims=part_dims))
+                groups.append(ShardDimGroup(*args, None, dims=part_dims, grad_policy=grad[key]))
             else:
-                groups.append(FSDPParamGroup(*args, size))
+                groups.append(FSDPParamGroup(*args, size, grad_policy=grad[key]))
         group = groups[0] if len(groups) == 1 else GroupBundle(groups)
         desc = f"the fully_shard group of {type(modules[0]).__name__}"
         # The originals, which other modules may still register (a shared
@@ -167,29 +169,6 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
-
-
-def _refuse_grad_dtypes(managed) -> None:
-    """A parameter whose ``grad_dtype`` (torch >= 2.10) is not its dtype: torch
-    2.15's FSDP2 gives its gradients that dtype (sharded ones included), torch
-    2.13's drops it. fsdp-rs gives a sharded gradient the parameter's dtype, so
-    it refuses rather than drop the setting silently."""
-    params = managed.params
-    if not params or not hasattr(params[0], "grad_dtype"):
-        return
-    dtypes = list(map(_DTYPE, params))
-    if list(map(_GRAD_DTYPE, params)) == dtypes:
-        return
-    for fqn, p in zip(managed.fqns, params, strict=True):
-        if p.grad_dtype != p.dtype:
-            raise ValueError(
-                f"fully_shard: parameter {fqn} has grad_dtype {p.grad_dtype} but dtype "
-                f"{p.dtype}; fsdp-rs gives a sharded parameter's gradient its dtype and does "
-                "not keep a per-parameter grad_dtype (torch 2.15's FSDP2 does). Unset it "
-                "(param.grad_dtype = param.dtype), and for gradients reduced in a wider dtype "
-                "pass MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) on parameters "
-                "kept in the wider dtype"
-            )
 
 
 def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:

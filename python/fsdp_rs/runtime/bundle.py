@@ -12,6 +12,8 @@ and one reduce-scatter per dtype. FSDP2 shards such a module as one group,
 gathering bytes where dtypes differ, and requires the parameters that take
 gradients to share one dtype (frozen ones may differ: a bf16 base with fp32
 adapters); fsdp-rs matches it there and also trains several trainable dtypes.
+Parameters that set another ``grad_dtype`` are split off the same way, one
+group per sharded gradient dtype ([Note: Gradient dtype policy]).
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ class ExtensionParamGroup(FSDPParamGroup):
             self.sharded = self._dtype_carrier(locals_)
         if changed:
             self.sharded_params = current
+            self._keep_grad_dtype()
             self._read_requires_grad()
             self._reset_unsharded()
             self.managed.swap(self.sharded_params)
@@ -349,6 +350,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         if first:
             self.unsharded_params = params
             self._unsharded_with_grad = [params[i] for i in self._grad_index]
+            self._fix_grad_dtypes()
             self._widened = self._unsharded_with_grad
         streams.release_after((out, flat), streams.record(), defer_release and work is None)
         self.state = ShardedState.UNSHARDED

@@ -167,6 +167,11 @@ def sharded_buffers(
         if group is None or group.sharded is not p._local_tensor._base:  # not a parameter
             others.append(p)
             continue
+        if group.grad_dtype != group.sharded.dtype:
+            # gradients in another dtype ([Note: Gradient dtype policy]): torch's
+            # optimizers step such a parameter per tensor, if at all
+            others.append(p)
+            continue
         if id(group) in found:
             continue
         layout, grad_layout = group.layout, group.grad_layout

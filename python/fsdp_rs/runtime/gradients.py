@@ -112,7 +112,12 @@ With ``grad_dtype`` None a gradient keeps the dtype its op computed it in
 (torch 2.15's RMSNorm gives a bf16 weight an fp32 gradient), so such a group
 never pre-places a gradient alias in the parameter dtype (autograd would add
 the wider gradient into it, rounded), and its reduction casts gradients of
-several dtypes each to the reduce dtype, as FSDP2 does.
+several dtypes each to the reduce dtype, as FSDP2 does. "The reduce dtype"
+here is the group's accumulation dtype (``accumulate_dtype``), which is the
+reduce dtype unless the parameters set a ``grad_dtype`` of their own ([Note:
+Gradient dtype policy]); where that accumulation dtype is narrower than the
+compute dtype, or neither, it is set on the unsharded parameters for good
+(``fixed_grad_dtype``), and the group never pre-places either.
 
 [Note: Post-accumulate-grad hooks]
 Autograd never accumulates into a sharded parameter (forward uses the unsharded
@@ -237,6 +242,8 @@ class GradientReduction:
             # autograd leaves gradients in the dtype it computes them in: a
             # pre-placed alias in the parameter dtype would round a wider one
             return
+        if self.fixed_grad_dtype is not None:  # autograd casts to it: no alias fits
+            return
         if not self.preplace_grads or self._placed:
             return
         if not params or not all(map(is_none, get_grads(params))):
@@ -254,9 +261,16 @@ class GradientReduction:
     def _set_grad_dtypes(self, params: list[torch.Tensor]) -> None:
         """Autograd's accumulation dtype per unsharded parameter for this backward
         ([Note: Wider gradient accumulation])."""
-        wide = None if self.reduce_grads else self.reduce_dtype
+        wide = None if self.reduce_grads else self.accumulate_dtype
         for param in params:
             param.grad_dtype = wide if param.grad is None else None
+
+    def _fix_grad_dtypes(self) -> None:
+        """The accumulation dtype on the new unsharded parameters, where it is
+        fixed ([Note: Gradient dtype policy])."""
+        if self.fixed_grad_dtype is not None:
+            for param in self._unsharded_with_grad:
+                param.grad_dtype = self.fixed_grad_dtype
 
     def _preplace_fits(self) -> bool:
         """Whether the buffer fits in what FSDP2 would still hold here: the last
@@ -347,8 +361,9 @@ class GradientReduction:
 
     def _keeps_on_params(self, grads: list[torch.Tensor | None]) -> bool:
         """[No sync] Whether this backward's gradients stay on the unsharded
-        parameters: nothing accumulated elsewhere, all in the reduce dtype."""
-        dtype = self.reduce_dtype
+        parameters: nothing accumulated elsewhere, all in the accumulation dtype
+        (the reduce dtype unless [Note: Gradient dtype policy])."""
+        dtype = self.accumulate_dtype
         return (
             self._accumulated is None
             and self._accumulated_buffer is None
@@ -393,7 +408,7 @@ class GradientReduction:
             had = list(map(operator.or_, had, previous_had))
         if not self.reduce_grads:
             if buffer is self.unsharded_grad:  # freed next; FSDP2 keeps the reduce dtype
-                buffer = buffer.to(self.reduce_dtype, copy=True)
+                buffer = buffer.to(self.accumulate_dtype, copy=True)
             self._accumulated_buffer = (buffer, had)
             return
         division = self._division()
@@ -424,10 +439,10 @@ class GradientReduction:
         # casts each; the copy-in takes one dtype.
         if len({g.dtype for g in grads if g is not None}) > 1:
             grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
-        dtype = self.reduce_dtype
+        dtype = self.accumulate_dtype  # cast first, as autograd casts to grad_dtype
         if self._accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
-                a if g is None else (g.to(dtype) if a is None else a.add_(g))
+                a if g is None else (g.to(dtype) if a is None else a.add_(g.to(dtype)))
                 for a, g in zip(self._accumulated, grads, strict=True)
             ]
             self._accumulated = None
@@ -595,10 +610,11 @@ class GradientReduction:
 
     def _new_sharded_grads(self, make) -> torch.Tensor:
         """A sharded buffer in the gradient layout, made by ``make`` (``torch.empty``
-        or ``torch.zeros``) where the sharded parameters live, in their dtype."""
+        or ``torch.zeros``) where the sharded parameters live, in the sharded
+        gradient dtype (theirs unless [Note: Gradient dtype policy])."""
         sharded = self.sharded
         numel = self.grad_layout.plan.row_numel
-        return make(numel, dtype=sharded.dtype, device=sharded.device)
+        return make(numel, dtype=self.grad_dtype, device=sharded.device)
 
     def _reduces_into_grad_buffer(
         self, had_grad: list[bool], current: list[torch.Tensor | None]
@@ -615,7 +631,7 @@ class GradientReduction:
         return (
             self.info.shard_size > 1
             and self.all_reduce_hook is None
-            and self.sharded.dtype == self.reduce_dtype
+            and self.grad_dtype == self.reduce_dtype
             and self.sharded.device == self.device
             and all(had_grad)
             and all(map(is_none, current))

@@ -81,9 +81,14 @@ def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
     if grads is not None:
         out["reduce_scatter_input_bytes"] = grads.reduce_scatter_input_bytes
         out["reduce_scatter_output_bytes"] = grads.reduce_scatter_output_bytes
-        out["gradient_bytes"] = grads.sharded_bytes if on_device else 0
+        sharded_grad_bytes = grads.sharded_bytes
+        accumulated = grads.unsharded_numel * grads.reduce_elem_size
+        if group.grad_policy is not None:  # [Note: Gradient dtype policy]
+            sharded_grad_bytes = grads.row_numel * group.grad_dtype.itemsize
+            accumulated = grads.unsharded_numel * group.accumulate_dtype.itemsize
+        out["gradient_bytes"] = sharded_grad_bytes if on_device else 0
         out["unsharded_gradient_bytes"] = grads.unsharded_bytes
-        out["accumulated_gradient_bytes"] = grads.unsharded_numel * grads.reduce_elem_size
+        out["accumulated_gradient_bytes"] = accumulated
     return out
 
 

@@ -58,6 +58,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.kernels._dtypes import is_copyable
 from fsdp_rs.ops import EagerOps
+from fsdp_rs.runtime.grad_dtypes import GradPolicy, overrides_grad_dtype, promoted
 from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
@@ -126,6 +127,7 @@ def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
     return list(map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets))
 
 
+_UNSET = object()  # a parameter that sets no grad_dtype
 _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 
@@ -144,8 +146,17 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         offload_to_cpu: bool,
         pin_memory: bool,
         post_forward_size: int | None,
+        *,
+        grad_policy: GradPolicy | None = None,
     ) -> None:
         self.managed = managed
+        self.grad_policy = grad_policy  # [Note: Gradient dtype policy]
+        # each parameter's own setting, which its sharded parameter keeps
+        self._grad_settings = (
+            [p.grad_dtype if overrides_grad_dtype(p) else _UNSET for p in managed.params]
+            if grad_policy is not None or any(map(overrides_grad_dtype, managed.params))
+            else None
+        )
         self.modules = tuple(modules)
         self.info = info
         self.device = info.device
@@ -220,7 +231,25 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         cast = mp_policy.param_dtype if orig_dtype.is_floating_point else None
         self.param_dtype = cast or orig_dtype
         self.reduce_dtype = reduce_dtype_for(mp_policy, orig_dtype, self.param_dtype)
-        self.widens_grads = accumulates_wider(self.reduce_dtype, self.param_dtype)
+        # The sharded gradients' dtype and the one autograd accumulates in: the
+        # original and the reduce dtype, unless the parameters set a grad_dtype
+        # ([Note: Gradient dtype policy]).
+        self.grad_dtype = orig_dtype
+        self.accumulate_dtype = self.reduce_dtype
+        policy = self.grad_policy
+        if policy is not None:
+            if policy.override is not None:
+                self.grad_dtype = policy.override
+                self.accumulate_dtype = mp_policy.reduce_dtype or policy.override
+            if mp_policy.reduce_dtype is None:
+                self.reduce_dtype = promoted({self.accumulate_dtype, *policy.promote})
+        self.widens_grads = accumulates_wider(self.accumulate_dtype, self.param_dtype)
+        # An accumulation dtype neither the compute dtype nor a wider one: autograd
+        # casts every gradient to it (FSDP2 sets it on its unsharded parameters).
+        fixed = policy is not None and not self.widens_grads
+        self.fixed_grad_dtype = (
+            self.accumulate_dtype if fixed and self.accumulate_dtype != self.param_dtype else None
+        )
         self.layout = self._layout_of(tuple(self.shapes))  # [Note: Shared group layouts]
         self.plan = self.layout.plan
         self.tables = self.layout.tables
@@ -398,8 +427,19 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         specs = self._sharded_specs(self.sharded.dtype)
         self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
+        self._keep_grad_dtype()
         self._read_requires_grad()
         self.unsharded_params: list[nn.Parameter] | None = None
+
+    def _keep_grad_dtype(self) -> None:
+        """The sharded parameters keep the ``grad_dtype`` the originals set, as
+        FSDP2's do ([Note: Gradient dtype policy]); a replacement (``model.to()``)
+        that sets none gets it again."""
+        if self._grad_settings is None:
+            return
+        for p, setting in zip(self.sharded_params, self._grad_settings, strict=True):
+            if setting is not _UNSET and not overrides_grad_dtype(p):
+                p.grad_dtype = setting
 
     def _read_requires_grad(self) -> None:
         """Which parameters take gradients, from the sharded ones: read again when
@@ -476,6 +516,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             p._local_tensor = view
             p._spec = self._spec_of(i, view.dtype)
         self.sharded_params = current
+        self._keep_grad_dtype()
         self._read_requires_grad()
         self.unsharded_params = None
         self.managed.swap(self.sharded_params)
@@ -578,12 +619,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                 )
             ]
         self._unsharded_with_grad = [self.unsharded_params[i] for i in self._grad_index]
+        self._fix_grad_dtypes()
         self._widened = self._unsharded_with_grad  # [Note: Wider gradient accumulation]
         if self.nd is not None and self.widens_grads:
             outside = [nd is not None and nd.reduces_outside_dp for nd in self.nd]
             for p, out in zip(self.unsharded_params, outside, strict=True):
                 if out:
-                    p.grad_dtype = self.reduce_dtype
+                    p.grad_dtype = self.accumulate_dtype
             self._widened = [self.unsharded_params[i] for i in self._grad_index if not outside[i]]
         if self.preplace_grads:
             self._make_grad_aliases()

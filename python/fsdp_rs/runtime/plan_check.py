@@ -152,7 +152,12 @@ def _mesh_text(info: MeshInfo) -> str:
 
 
 def _dtypes_text(group) -> str:
-    return f"{group.orig_dtype} (all-gather {group.param_dtype}, reduce {group.reduce_dtype})"
+    grads = ""
+    if group.grad_dtype != group.orig_dtype:  # [Note: Gradient dtype policy]
+        grads = f", gradients {group.grad_dtype}"
+    return (
+        f"{group.orig_dtype} (all-gather {group.param_dtype}, reduce {group.reduce_dtype}{grads})"
+    )
 
 
 def _offload_text(group) -> str:

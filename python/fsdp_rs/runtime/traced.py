@@ -196,6 +196,11 @@ def _static_reason(state, group) -> str | None:
                 "a DTensor parameter's gradient is reduced over tensor parallelism in the "
                 "wider reduce dtype, which the traced hooks cannot do"
             )
+    if group.grad_policy is not None and any(p.requires_grad for p in group.sharded_params):
+        return (
+            "a parameter sets grad_dtype ([Note: Gradient dtype policy]), which the traced "
+            "hooks do not follow"
+        )
     if group.orig_dtype not in FLOAT_DTYPES or group.param_dtype not in FLOAT_DTYPES:
         # frozen: gathered as raw bits, as in eager ([Note: Raw copies]); the
         # reduction's arithmetic is the FLOAT_DTYPES'

@@ -1,0 +1,133 @@
+"""Per-parameter gradient dtypes (``param.grad_dtype``), as torch 2.15's FSDP2
+keeps them.
+
+[Note: Gradient dtype policy]
+autograd (torch >= 2.10) lets a parameter name the dtype of its gradient:
+``param.grad_dtype = torch.float32`` on a bf16 weight makes autograd accumulate
+its gradient in fp32. torch 2.15's FSDP2 keeps that setting through sharding:
+
+- the sharded ``.grad`` has the parameter's ``grad_dtype`` (the *sharded
+  gradient dtype*; unset: the parameter's dtype; ``None``: any, so the reduce
+  dtype), and the sharded parameter keeps the setting;
+- the unsharded parameter accumulates in ``MixedPrecisionPolicy.reduce_dtype``
+  when one is given, else in that ``grad_dtype`` (the *accumulation dtype*):
+  autograd sums the contributions of a backward without sync there;
+- without an explicit ``reduce_dtype`` a group whose gradients have several
+  accumulation dtypes reduces in their promoted dtype (bf16 gradients of some
+  weights next to fp32 ones: all reduced in fp32), then casts each shard to its
+  sharded gradient dtype.
+
+fsdp-rs holds one sharded gradient dtype per group, so a ``fully_shard`` call
+whose parameters set ``grad_dtype`` is split by it as it is split by dtype
+([Note: One group per dtype]); each group gets a ``GradPolicy``: its own
+setting and the dtypes it must promote with, those of the other trainable
+parameters of the call that FSDP2 would reduce with it (same dtype, same
+mesh). The promotion is taken over the parameters that train, on every rank
+alike; FSDP2 takes it over the gradients a rank happens to hold, which could
+differ between ranks ([Note: Gradient agreement]); where every parameter gets a
+gradient the two agree. For the same reason ``grad_dtype=None`` (the gradient
+keeps whatever dtype its op computed) needs an explicit ``reduce_dtype``: the
+reduce dtype would otherwise depend on each rank's gradients. torch's FSDP2
+before 2.15 drops the setting, so there fsdp-rs refuses it rather than drop it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from fsdp_rs.runtime.policies import MixedPrecisionPolicy, fsdp2_has_grad_dtype_policy
+
+__all__ = ["GradPolicy", "grad_dtype_keys", "grad_policies", "overrides_grad_dtype", "promoted"]
+
+
+class GradPolicy(NamedTuple):
+    """A group's gradient dtypes ([Note: Gradient dtype policy]).
+
+    ``override``: the sharded gradient dtype its parameters set (None: they set
+    none, so their dtype); ``promote``: the accumulation dtypes of the call's
+    other trainable parameters it reduces with, unless ``reduce_dtype`` is set."""
+
+    override: torch.dtype | None
+    promote: frozenset[torch.dtype]
+
+
+def overrides_grad_dtype(param: torch.Tensor) -> bool:
+    """Whether ``param`` sets its own ``grad_dtype`` (torch >= 2.15 tells)."""
+    return bool(getattr(param, "_has_grad_dtype_override", False))
+
+
+def grad_dtype_keys(managed, mp_policy: MixedPrecisionPolicy) -> list[torch.dtype | None]:
+    """Per parameter, the sharded gradient dtype it sets (None: none set).
+
+    Refuses what fsdp-rs cannot keep: any setting on a torch whose FSDP2 drops
+    it, ``grad_dtype=None`` on a trainable parameter without ``reduce_dtype``."""
+    params = managed.params
+    if not params or not hasattr(params[0], "grad_dtype"):
+        return [None] * len(params)
+    if not fsdp2_has_grad_dtype_policy():
+        for fqn, p in zip(managed.fqns, params, strict=True):
+            if p.grad_dtype != p.dtype:
+                raise ValueError(
+                    f"fully_shard: parameter {fqn} has grad_dtype {p.grad_dtype} but dtype "
+                    f"{p.dtype}; this torch's FSDP2 ({torch.__version__}) does not keep a "
+                    "per-parameter grad_dtype (2.15's does), so fsdp-rs refuses rather than "
+                    "drop it. Unset it (param.grad_dtype = param.dtype), or pass "
+                    "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) for gradients "
+                    "reduced in a wider dtype"
+                )
+        return [None] * len(params)
+    keys: list[torch.dtype | None] = []
+    for fqn, p in zip(managed.fqns, params, strict=True):
+        if not overrides_grad_dtype(p):
+            keys.append(None)
+            continue
+        dtype = p.grad_dtype
+        if dtype is None:
+            if mp_policy.reduce_dtype is None and p.requires_grad:
+                raise ValueError(
+                    f"fully_shard: parameter {fqn} has grad_dtype None (its gradient keeps "
+                    "the dtype its op computes), and the mp_policy has no reduce_dtype: the "
+                    "dtype the group reduces in would then depend on the gradients each rank "
+                    "holds. Pass MixedPrecisionPolicy(reduce_dtype=...) with the dtype its "
+                    "gradients have, or set param.grad_dtype to that dtype"
+                )
+            dtype = mp_policy.reduce_dtype  # FSDP2 leaves such a shard in the reduce dtype
+        keys.append(dtype)
+    return keys
+
+
+def grad_policies(managed, keys: list[tuple], mp_policy) -> dict[tuple, GradPolicy | None]:
+    """Per group key (``(dtype key, extension, other dim, grad_dtype_keys' item,
+    mesh)``), its ``GradPolicy``; None for a group whose parameters set no
+    ``grad_dtype`` in a call where no trainable parameter sets one."""
+    trainable = [key for key, p in zip(keys, managed.params, strict=True) if p.requires_grad]
+    any_trains = any(key[3] is not None for key in trainable)
+    accumulate: dict[tuple, set[torch.dtype]] = {}  # by what FSDP2 reduces as one group
+    for key in trainable:
+        accumulate.setdefault(_reduced_with(key), set()).add(key[3] or _dtype_of(key))
+    explicit = mp_policy.reduce_dtype is not None
+    policies: dict[tuple, GradPolicy | None] = {}
+    for key in keys:
+        if key[3] is None and not any_trains:
+            policies[key] = None
+            continue
+        promote = () if explicit else accumulate.get(_reduced_with(key), ())
+        policies[key] = GradPolicy(key[3], frozenset(promote))
+    return policies
+
+
+def _reduced_with(key: tuple) -> tuple:
+    return (_dtype_of(key), key[-1])
+
+
+def _dtype_of(key: tuple) -> torch.dtype:
+    first = key[0]
+    return first[0] if isinstance(first, tuple) else first
+
+
+def promoted(dtypes) -> torch.dtype:
+    """The promoted dtype of ``dtypes`` (non-empty)."""
+    return functools.reduce(torch.promote_types, dtypes)
