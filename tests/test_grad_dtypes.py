@@ -3,7 +3,7 @@ whose gradients accumulate, reduce and stay in fp32, fp32 weights with bf16
 gradients, ``grad_dtype=None`` under an explicit ``reduce_dtype``. Each scenario
 trains the same model under fsdp-rs and torch FSDP2 in the same spawned gloo
 ranks (W = 4, where a sum of four bf16 values rounds differently from one in
-fp32) and compares, after every step, each sharded gradient's dtype and bytes,
+fp32; under TP, 2 x 2) and compares, after every step, each sharded gradient's dtype and bytes,
 the losses and the final shards, bit for bit. On a torch whose FSDP2 drops
 ``grad_dtype`` (before 2.15), fsdp-rs refuses it instead.
 """
@@ -130,6 +130,39 @@ def train(
     return out
 
 
+def train_tp(world_size: int, rank: int, which: str) -> dict:
+    """``train``'s records for ``nd_scenarios``' net in bf16 under TP (2 ranks,
+    sequence-parallel norms, whose gradients are reduced over TP first) and
+    FSDP over the other dim, the parameters named with ``which`` set to fp32
+    gradients (after TP: ``parallelize_module`` makes new parameters)."""
+    import nd_scenarios as nd
+
+    mesh = nd._nd_mesh(world_size, 2)
+    out = {}
+    for lib in LIBS:
+        model = nd._tensor_parallel(nd._net().bfloat16(), mesh["tp"], True)
+        for name, p in model.named_parameters():
+            if which in name:
+                p.grad_dtype = torch.float32
+        nd._fully_shard(lib, model, nd._dp_mesh(mesh))
+        steps = []
+        for step in range(STEPS):
+            loss = model(nd._inputs(mesh, step, True).bfloat16()).float().pow(2).mean()
+            loss.backward()
+            grads = {n: (str(p.grad.dtype), _raw(p.grad)) for n, p in model.named_parameters()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad.to(p.dtype), alpha=-0.05)
+            model.zero_grad()
+            steps.append({"losses": [loss.item()], "grads": grads})
+        out[lib] = {
+            "steps": steps,
+            "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
+            "shards": {n: _raw(p) for n, p in model.named_parameters()},
+        }
+    return out
+
+
 FP32, BF16 = "float32", "bfloat16"
 SCENARIOS = {
     # some bf16 weights with fp32 gradients: the group reduces in fp32 (promoted)
@@ -162,7 +195,13 @@ SCENARIOS = {
 }
 
 
+# [Note: DTensor parameters] with grad_dtype: sequence-parallel norms, weights
+TP_SCENARIOS = {"tp_norms_fp32": "norm", "tp_weights_fp32": "weight"}
+
+
 def run_named(world_size: int, rank: int, name: str) -> dict:
+    if name in TP_SCENARIOS:
+        return train_tp(world_size, rank, TP_SCENARIOS[name])
     return train(world_size, rank, **SCENARIOS[name])
 
 
@@ -175,13 +214,13 @@ def results(tmp_path_factory):
     failure = None
     try:
         worker = functools.partial(gloo_worker, run=run_named)
-        spawn_scenarios(worker, world_size, list(SCENARIOS), out, timeout_s=300)
+        spawn_scenarios(worker, world_size, [*SCENARIOS, *TP_SCENARIOS], out, timeout_s=300)
     except Exception as e:
         failure = e
     return world_size, read_ranks(out, world_size), failure
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", [*SCENARIOS, *TP_SCENARIOS])
 def test_grad_dtype_as_fsdp2(results, name):
     """Every step's sharded gradients (dtype and bits), the losses, the sharded
     parameters' ``grad_dtype`` and the final shards equal FSDP2's."""
