@@ -163,6 +163,41 @@ def train_tp(world_size: int, rank: int, which: str) -> dict:
     return out
 
 
+def train_extension(world_size: int, rank: int, kind: str, grad_dtype: str) -> dict:
+    """``train``'s records (values as exact doubles) for ``extension_scenarios``'
+    MLP whose weights are all-gather extension subclasses of ``kind`` with
+    ``grad_dtype``: two backwards per step, the first without sync."""
+    import extension_scenarios as ext
+
+    out = {}
+    for lib in LIBS:
+        wrap, model_kwargs = ext._subclass(kind, {})
+        model = ext._model(wrap, **model_kwargs)
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                p.grad_dtype = getattr(torch, grad_dtype)
+        ext._shard(lib, model, ext._mesh(world_size, False))
+        steps = []
+        for step in range(STEPS):
+            losses = []
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                loss = model(ext._inputs(rank, step, micro)).sum()
+                loss.backward()
+                losses.append(loss.item())
+            grads = {
+                n: (str(p.grad.dtype), ext._values(p.grad)) for n, p in model.named_parameters()
+            }
+            model.zero_grad()
+            steps.append({"losses": losses, "grads": grads})
+        out[lib] = {
+            "steps": steps,
+            "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
+            "shards": {n: ext._values(p) for n, p in model.named_parameters()},
+        }
+    return out
+
+
 FP32, BF16 = "float32", "bfloat16"
 SCENARIOS = {
     # some bf16 weights with fp32 gradients: the group reduces in fp32 (promoted)
@@ -197,9 +232,18 @@ SCENARIOS = {
 
 # [Note: DTensor parameters] with grad_dtype: sequence-parallel norms, weights
 TP_SCENARIOS = {"tp_norms_fp32": "norm", "tp_weights_fp32": "weight"}
+# [Note: All-gather extensions] with grad_dtype: fp32 weights gathered in bf16
+# with bf16 gradients (narrower: set on the unsharded parameters for good), and
+# pairs of fp32 copies with fp64 gradients
+EXTENSION_SCENARIOS = {
+    "ext_bf16_gathered_bf16": ("bf16", BF16),
+    "ext_pair_fp64": ("pair_v2", "float64"),
+}
 
 
 def run_named(world_size: int, rank: int, name: str) -> dict:
+    if name in EXTENSION_SCENARIOS:
+        return train_extension(world_size, rank, *EXTENSION_SCENARIOS[name])
     if name in TP_SCENARIOS:
         return train_tp(world_size, rank, TP_SCENARIOS[name])
     return train(world_size, rank, **SCENARIOS[name])
@@ -214,13 +258,19 @@ def results(tmp_path_factory):
     failure = None
     try:
         worker = functools.partial(gloo_worker, run=run_named)
-        spawn_scenarios(worker, world_size, [*SCENARIOS, *TP_SCENARIOS], out, timeout_s=300)
+        spawn_scenarios(
+            worker,
+            world_size,
+            [*SCENARIOS, *TP_SCENARIOS, *EXTENSION_SCENARIOS],
+            out,
+            timeout_s=300,
+        )
     except Exception as e:
         failure = e
     return world_size, read_ranks(out, world_size), failure
 
 
-@pytest.mark.parametrize("name", [*SCENARIOS, *TP_SCENARIOS])
+@pytest.mark.parametrize("name", [*SCENARIOS, *TP_SCENARIOS, *EXTENSION_SCENARIOS])
 def test_grad_dtype_as_fsdp2(results, name):
     """Every step's sharded gradients (dtype and bits), the losses, the sharded
     parameters' ``grad_dtype`` and the final shards equal FSDP2's."""

@@ -166,6 +166,15 @@ def _local_grad(nd, grad: torch.Tensor | None) -> torch.Tensor | None:
     return nd.local_grad(grad)
 
 
+def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``acc += grad`` as autograd accumulates into a ``grad_dtype``: a wider
+    gradient is rounded to it first; a narrower one is added as it is (its
+    widening is exact, and a cast copy would cost memory FSDP2 does not use)."""
+    if grad.dtype.itemsize > acc.dtype.itemsize:
+        grad = grad.to(acc.dtype)
+    return acc.add_(grad)
+
+
 class GradientReduction:
     """Mixed into ``FSDPParamGroup``: the gradient buffers and the post-backward.
 
@@ -439,10 +448,10 @@ class GradientReduction:
         # casts each; the copy-in takes one dtype.
         if len({g.dtype for g in grads if g is not None}) > 1:
             grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
-        dtype = self.accumulate_dtype  # cast first, as autograd casts to grad_dtype
+        dtype = self.accumulate_dtype
         if self._accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
-                a if g is None else (g.to(dtype) if a is None else a.add_(g.to(dtype)))
+                a if g is None else (g.to(dtype) if a is None else _accumulate(a, g))
                 for a, g in zip(self._accumulated, grads, strict=True)
             ]
             self._accumulated = None
