@@ -37,9 +37,10 @@ EXTRA = {
     # [Note: Manual backward finalization]: every micro-step without sync, then
     # finalize_backward() reduces (FSDP2's needs torch >= 2.15)
     "manual_accumulate_4": (2, {"micro": 4, "manual": True}),
-    # bf16 parameters that keep fp32 gradients ([Note: Gradient dtype policy],
-    # torch >= 2.15), stepped by SGD with momentum (torch's AdamW refuses them)
-    "bf16_params_fp32_grads": (2, {"bf16_params": True, "grad_fp32": True}),
+    # parameters that keep gradients of another dtype ([Note: Gradient dtype
+    # policy], torch >= 2.15), stepped by SGD with momentum (AdamW refuses them)
+    "bf16_params_fp32_grads": (2, {"bf16_params": True, "grad_dtype": "float32"}),
+    "fp32_params_bf16_grads": (2, {"grad_dtype": "bfloat16"}),
 }
 
 
@@ -61,7 +62,7 @@ def _config(config: str, monkeypatch) -> str:
     added to ``CONFIGS`` for the test."""
     if config in EXTRA:
         monkeypatch.setitem(CONFIGS, config, EXTRA[config])
-    if CONFIGS[config][1].get("grad_fp32") and not fsdp2_has_grad_dtype_policy():
+    if CONFIGS[config][1].get("grad_dtype") and not fsdp2_has_grad_dtype_policy():
         pytest.skip("this torch's FSDP2 keeps no per-parameter grad_dtype")
     return config
 

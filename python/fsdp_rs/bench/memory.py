@@ -90,9 +90,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def _prepare(model: nn.Module, options: dict) -> nn.Module:
     """The config's changes to a freshly built model: weights frozen, blocks
     checkpointed."""
-    if options.get("grad_fp32"):  # torch >= 2.15: [Note: Gradient dtype policy]
+    if options.get("grad_dtype"):  # torch >= 2.15: [Note: Gradient dtype policy]
         for p in model.parameters():
-            p.grad_dtype = torch.float32
+            p.grad_dtype = getattr(torch, options["grad_dtype"])
     if options.get("frozen_weights"):
         _freeze_weights(model)
     if options.get("ac"):
@@ -135,7 +135,7 @@ def _storage_dtype(options: dict) -> torch.dtype:
 def _optimizer(params: list, options: dict, library: str):
     """AdamW, or FlatOptimizer(AdamW) for fsdp-rs under ``flat``; SGD with
     momentum where gradients have another dtype than their parameters."""
-    if options.get("grad_fp32"):
+    if options.get("grad_dtype"):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     if options.get("flat") and library == "fsdp_rs":  # FSDP2 keeps torch's AdamW
         from fsdp_rs.optim import FlatOptimizer
@@ -147,7 +147,7 @@ def _optimizer(params: list, options: dict, library: str):
 def _optimizer_bytes(trained: list, options: dict) -> int:
     """The optimizer's states: SGD's momentum in the gradient dtype, or AdamW's
     two copies of each parameter and a step count."""
-    if options.get("grad_fp32"):
+    if options.get("grad_dtype"):
         return sum(p.to_local().numel() * p.grad_dtype.itemsize for p in trained)
     return sum(2 * p.to_local().numel() * p.element_size() + 4 for p in trained)
 
@@ -169,9 +169,12 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
             copy = _model(name, dim, layers)
         finally:
             torch.set_default_dtype(default)
-        # grad_dtype left out: a synced backward computes the gradients in the
-        # compute dtype ([Note: Wider gradient accumulation] in runtime/gradients.py)
-        _prepare(copy, {k: v for k, v in options.items() if k != "grad_fp32"})
+        # A wider grad_dtype left out: a synced backward computes the gradients in
+        # the compute dtype ([Note: Wider gradient accumulation] in runtime/gradients.py)
+        grad_dtype = options.get("grad_dtype")
+        if grad_dtype and getattr(torch, grad_dtype).itemsize > dtype.itemsize:
+            options = {k: v for k, v in options.items() if k != "grad_dtype"}
+        _prepare(copy, options)
         x = _input(name, dim, batch, device, dtype)
         return activation_profile(copy, [*_blocks(copy), copy], x, loss_fn=_loss)
 

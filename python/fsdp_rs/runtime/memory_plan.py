@@ -87,6 +87,8 @@ def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
             sharded_grad_bytes = grads.row_numel * group.grad_dtype.itemsize
             accumulated = grads.unsharded_numel * group.accumulate_dtype.itemsize
         out["gradient_bytes"] = sharded_grad_bytes if on_device else 0
+        # in the compute dtype, also where autograd casts them to a narrower
+        # grad_dtype: it computes each in the compute dtype first
         out["unsharded_gradient_bytes"] = grads.unsharded_bytes
         out["accumulated_gradient_bytes"] = accumulated
     return out
