@@ -41,6 +41,11 @@ EXTRA = {
     # policy], torch >= 2.15), stepped by SGD with momentum (AdamW refuses them)
     "bf16_params_fp32_grads": (2, {"bf16_params": True, "grad_dtype": "float32"}),
     "fp32_params_bf16_grads": (2, {"grad_dtype": "bfloat16"}),
+    # ... on the weights only: each block is two groups (fp32 and bf16 gradients)
+    "bf16_params_fp32_weight_grads": (
+        2,
+        {"bf16_params": True, "grad_dtype": "float32", "grad_dtype_weights_only": True},
+    ),
 }
 
 

@@ -17,6 +17,7 @@ import fsdp_rs
 from fsdp_rs import ActivationProfile, Activations, activation_profile, fully_shard, predict_memory
 from fsdp_rs.planning import reference
 from fsdp_rs.runtime.memory_plan import group_memory
+from fsdp_rs.runtime.params import state_of
 
 
 @pytest.fixture
@@ -318,6 +319,12 @@ def test_group_memory_sums_a_module_of_several_dtypes(mesh):
     assert columns["fqns"] == [("",)]
     assert columns["sharded_bytes"] == [numel * 4 // 4 + numel * 2 // 4]
     assert columns["unsharded_gradient_bytes"] == [numel * 4 + numel * 2]
+    # they reduce in turn, the bf16 group last: its input is what stays held
+    last = state_of(model).group.groups[-1]
+    assert last.orig_dtype == torch.bfloat16
+    kept = last.grad_layout.plan.reduce_scatter_input_bytes
+    assert columns["reduce_scatter_kept_bytes"] == [kept]
+    assert kept < columns["reduce_scatter_input_bytes"][0]
 
 
 def test_group_bytes_with_cpu_offload_leave_the_host_out():
@@ -339,6 +346,7 @@ def test_group_bytes_with_cpu_offload_leave_the_host_out():
             device=torch.device(device),
             shard_device=torch.device(shard_device),
             keep_unsharded_storage=False,
+            grad_policy=None,  # [Note: Gradient dtype policy]: none set
         )
 
     on_device = _group_bytes(group("cuda", "cuda"), True, 0)

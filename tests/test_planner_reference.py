@@ -214,7 +214,7 @@ def test_rust_matches_reference_on_huge_inputs(
 @SETTINGS
 @given(
     groups=st.lists(
-        st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 12, st.booleans()),
+        st.tuples(*[st.sampled_from([0, 1, 2**61, 2**62, 2**63 - 1])] * 13, st.booleans()),
         max_size=4,
     ),
     prefetch=st.sampled_from([0, 1, 2**63 - 1]),
@@ -566,17 +566,18 @@ OPTIONAL_MEMORY_FIELDS = [
     "post_forward_bytes",
     "output_bytes",
     "backward_bytes",
+    "reduce_scatter_kept_bytes",
 ]
 
 
 def _memory_args(groups, prefetch, forward_prefetch, flags, resident, loss):
     """``peak_memory``'s arguments from per-group tuples (five required byte
-    counts, seven optional ones, and reshard_after_forward) and the schedule
+    counts, eight optional ones, and reshard_after_forward) and the schedule
     (``flags``: accumulate, side streams)."""
     n = len(groups)
-    columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(12)]
+    columns = [np.array([g[i] for g in groups], dtype=np.int64) for i in range(13)]
     kwargs = dict(zip(OPTIONAL_MEMORY_FIELDS, columns[5:], strict=True))
-    kwargs["reshard_after_forward"] = np.array([g[12] for g in groups], dtype=bool).reshape(n)
+    kwargs["reshard_after_forward"] = np.array([g[13] for g in groups], dtype=bool).reshape(n)
     kwargs.update(
         prefetch=prefetch,
         forward_prefetch=forward_prefetch,
@@ -590,7 +591,7 @@ def _memory_args(groups, prefetch, forward_prefetch, flags, resident, loss):
 
 @SETTINGS
 @given(
-    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 12, st.booleans()), max_size=30),
+    groups=st.lists(st.tuples(*[st.integers(0, 2**40)] * 13, st.booleans()), max_size=30),
     prefetch=st.one_of(st.integers(0, 4), st.integers(0, 2**63 - 1)),
     forward_prefetch=st.integers(0, 3),
     flags=st.tuples(st.booleans(), st.booleans()),
@@ -621,6 +622,9 @@ def _example(**kwargs):
         # no side streams: each output freed at its copy-out, and g=1 gathers its
         # 160 bytes of gradients where g=2's reduce-scatter input was.
         ({"side_streams": False}, (60, 480, 880)),
+        # g=2 a module of two groups whose second releases the first's input: g=1
+        # computes beside the last one's 80 (540), so g=2 reducing is the peak.
+        ({"reduce_scatter_kept_bytes": [160, 320, 80]}, (60, 480, 880)),
         # activations (5, 6, 7), outputs (1, 2, 3), g=0 kept unsharded: forward g=2
         # after its compute 11 + 80 + 7 + 3 + 240 + 240; backward g=2 reducing 11 +
         # 80 + 160 + 2 + 480 + 240.
@@ -660,6 +664,7 @@ def _example(**kwargs):
     ids=[
         "side-streams",
         "no-side-streams",
+        "several-groups-kept",
         "activations",
         "accumulate",
         "loss",
@@ -670,7 +675,13 @@ def _example(**kwargs):
 )
 def test_peak_memory_worked_examples(planner, kwargs, want):
     args, kwargs = _example(**kwargs)
-    for key in ("activation_bytes", "output_bytes", "post_forward_bytes", "backward_bytes"):
+    for key in (
+        "activation_bytes",
+        "output_bytes",
+        "post_forward_bytes",
+        "backward_bytes",
+        "reduce_scatter_kept_bytes",
+    ):
         if key in kwargs:
             kwargs[key] = np.array(kwargs[key], dtype=np.int64)
     if isinstance(kwargs.get("reshard_after_forward"), list):

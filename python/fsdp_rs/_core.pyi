@@ -203,6 +203,7 @@ def peak_memory(
     post_forward_bytes: Int64Array | None = None,
     output_bytes: Int64Array | None = None,
     backward_bytes: Int64Array | None = None,
+    reduce_scatter_kept_bytes: Int64Array | None = None,
     resident_bytes: int = 0,
     loss_bytes: int = 0,
     accumulate: bool = False,
@@ -212,7 +213,10 @@ def peak_memory(
     group in every array, forward order); see [Note: Memory model] in
     ``rust/planner/src/memory.rs``. Defaults: ``gradient_bytes`` the reduce-scatter
     output, ``unsharded_gradient_bytes`` the unsharded bytes,
-    ``accumulated_gradient_bytes`` the unsharded gradient bytes, the other arrays
-    zeros; ``reshard_after_forward`` one bool for every group or one per group.
+    ``accumulated_gradient_bytes`` the unsharded gradient bytes,
+    ``reduce_scatter_kept_bytes`` (what a group's reduction leaves held into the
+    next group's backward: the last input of a module sharded as several
+    groups) the reduce-scatter input, the other arrays zeros;
+    ``reshard_after_forward`` one bool for every group or one per group.
     Keys: ``persistent`` (sharded bytes plus ``resident_bytes``), ``forward``,
     ``backward`` (the most held on top of it in each pass), ``peak``."""

@@ -92,7 +92,8 @@ def _prepare(model: nn.Module, options: dict) -> nn.Module:
     checkpointed."""
     if options.get("grad_dtype"):  # torch >= 2.15: [Note: Gradient dtype policy]
         for p in model.parameters():
-            p.grad_dtype = getattr(torch, options["grad_dtype"])
+            if p.ndim >= 2 or not options.get("grad_dtype_weights_only"):
+                p.grad_dtype = getattr(torch, options["grad_dtype"])
     if options.get("frozen_weights"):
         _freeze_weights(model)
     if options.get("ac"):

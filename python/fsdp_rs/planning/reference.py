@@ -445,6 +445,7 @@ def peak_memory(
     post_forward_bytes: Any = None,
     output_bytes: Any = None,
     backward_bytes: Any = None,
+    reduce_scatter_kept_bytes: Any = None,
     resident_bytes: int = 0,
     loss_bytes: int = 0,
     accumulate: bool = False,
@@ -472,6 +473,11 @@ def peak_memory(
         "accumulated_gradient_bytes",
         accumulated_gradient_bytes,
         arrays["unsharded_gradient_bytes"],
+    )
+    given_or(
+        "reduce_scatter_kept_bytes",
+        reduce_scatter_kept_bytes,
+        arrays["reduce_scatter_input_bytes"],
     )
     for name, given in (
         ("activation_bytes", activation_bytes),
@@ -552,7 +558,7 @@ def peak_memory(
         earlier = total(held, range(g))
         in_flight = sum(ag[j] for j in range(max(g - k, 0), g) if resharded[j])
         reduced = total(grad, range(g + 1, n))
-        previous_rs = rs_in[g + 1] if g + 1 < n else 0
+        previous_rs = arrays["reduce_scatter_kept_bytes"][g + 1] if g + 1 < n else 0
         if not side_streams:
             # The last reduce-scatter input is freed after its collective; a group
             # whose gradients fit in it gathers them into a buffer there, while

@@ -109,6 +109,7 @@ def group_memory(module: nn.Module) -> dict[str, Any]:
             "unsharded_bytes",
             "reduce_scatter_input_bytes",
             "reduce_scatter_output_bytes",
+            "reduce_scatter_kept_bytes",
             "gradient_bytes",
             "unsharded_gradient_bytes",
             "accumulated_gradient_bytes",
@@ -126,6 +127,9 @@ def group_memory(module: nn.Module) -> dict[str, Any]:
         bytes_of = [_group_bytes(group, resharded, rows) for group in members]
         for name in bytes_of[0]:
             columns[name].append(sum(b[name] for b in bytes_of))
+        # they reduce in turn, each releasing the input the one before kept
+        inputs = [b["reduce_scatter_input_bytes"] for b in bytes_of]
+        columns["reduce_scatter_kept_bytes"].append(next((i for i in reversed(inputs) if i), 0))
         columns["reshard_after_forward"].append(resharded)
         columns["fqns"].append(tuple(name_of.get(id(m), "") for m in state.modules))
     return columns

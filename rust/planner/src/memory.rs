@@ -40,8 +40,9 @@
 //!   backward held at once, which also sees the transients between its ops (a
 //!   GELU's input gradient beside its output's) and the gradients as they
 //!   appear, but no less than all its gradients and the one flowing out;
-//!   plus the previous group's reduce-scatter input, which FSDP2 frees only
-//!   when `g` reduces (with side streams); without them it is freed after its
+//!   plus the previous group's reduce-scatter input (a module sharded as
+//!   several groups, one per dtype: its last one's, `reduce_scatter_kept`),
+//!   which FSDP2 frees only when `g` reduces (with side streams); without them it is freed after its
 //!   collective, and a group whose gradients fit there gathers them into a
 //!   buffer in its place while autograd computes each (its gradients once
 //!   more, at most);
@@ -65,6 +66,10 @@ pub struct GroupBytes<'a> {
     pub unsharded: &'a [i64],
     pub reduce_scatter_input: &'a [i64],
     pub reduce_scatter_output: &'a [i64],
+    /// Reduce-scatter input still held after the group's reduction, into the
+    /// next group's backward: its own input, or for a module sharded as several
+    /// groups (one per dtype) the last one's, each releasing the one before.
+    pub reduce_scatter_kept: &'a [i64],
     /// Sharded gradients kept after the reduction.
     pub gradient: &'a [i64],
     /// Gradients autograd produces for the unsharded parameters.
@@ -143,6 +148,7 @@ fn check(groups: &GroupBytes<'_>, schedule: &Schedule<'_>) -> Result<()> {
         ("unsharded_bytes", groups.unsharded),
         ("reduce_scatter_input_bytes", groups.reduce_scatter_input),
         ("reduce_scatter_output_bytes", groups.reduce_scatter_output),
+        ("reduce_scatter_kept_bytes", groups.reduce_scatter_kept),
         ("gradient_bytes", groups.gradient),
         ("unsharded_gradient_bytes", groups.unsharded_gradient),
         ("accumulated_gradient_bytes", groups.accumulated_gradient),
@@ -235,7 +241,7 @@ pub fn peak_memory(groups: GroupBytes<'_>, schedule: Schedule<'_>) -> Result<Pea
         let in_flight = regathered[g] - regathered[g.saturating_sub(back)];
         let reduced = grads[n] - grads[g + 1];
         let mut previous_rs = if g + 1 < n {
-            at(groups.reduce_scatter_input, g + 1)
+            at(groups.reduce_scatter_kept, g + 1)
         } else {
             0
         };
@@ -296,6 +302,7 @@ mod tests {
             unsharded: &[80, 160, 240],
             reduce_scatter_input: &[160, 320, 480],
             reduce_scatter_output: &[20, 40, 60],
+            reduce_scatter_kept: &[160, 320, 480],
             gradient,
             unsharded_gradient: &[80, 160, 240],
             accumulated_gradient: &[80, 160, 240],
@@ -348,6 +355,20 @@ mod tests {
             let m = peak_memory(g, schedule(&[true; 3], true)).unwrap();
             assert_eq!(m.backward, want);
         }
+    }
+
+    #[test]
+    fn several_groups_keep_the_last_input() {
+        // g=2 a module of two groups (400 + 80 of reduce-scatter input): the
+        // second releases the first's, so g=1 computes beside 80, not 480.
+        let grads = [20, 40, 60];
+        let g = GroupBytes {
+            reduce_scatter_kept: &[160, 320, 80],
+            ..groups(&grads, &NONE, &NONE)
+        };
+        // computing g=1: 940 - 480 + 80 = 540; reducing g=2 (880) is the peak.
+        let m = peak_memory(g, schedule(&[true; 3], true)).unwrap();
+        assert_eq!(m.backward, 880);
     }
 
     #[test]
@@ -448,6 +469,7 @@ mod tests {
             unsharded: e,
             reduce_scatter_input: e,
             reduce_scatter_output: e,
+            reduce_scatter_kept: e,
             gradient: e,
             unsharded_gradient: e,
             accumulated_gradient: e,

@@ -80,7 +80,7 @@ fn plan_flat(
     reduce_scatter_output_bytes, *, prefetch = 1, forward_prefetch = 0,
     reshard_after_forward = None, gradient_bytes = None, unsharded_gradient_bytes = None,
     accumulated_gradient_bytes = None, activation_bytes = None, post_forward_bytes = None, output_bytes = None,
-    backward_bytes = None,
+    backward_bytes = None, reduce_scatter_kept_bytes = None,
     resident_bytes = 0, loss_bytes = 0, accumulate = false, side_streams = true,
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -101,6 +101,7 @@ fn peak_memory<'py>(
     post_forward_bytes: Option<&Bound<'py, PyAny>>,
     output_bytes: Option<&Bound<'py, PyAny>>,
     backward_bytes: Option<&Bound<'py, PyAny>>,
+    reduce_scatter_kept_bytes: Option<&Bound<'py, PyAny>>,
     resident_bytes: i64,
     loss_bytes: i64,
     accumulate: bool,
@@ -132,6 +133,11 @@ fn peak_memory<'py>(
     let post_forward = or(post_forward_bytes, "post_forward_bytes", &zeros)?;
     let output = or(output_bytes, "output_bytes", &zeros)?;
     let backward = or(backward_bytes, "backward_bytes", &zeros)?;
+    let rs_kept = or(
+        reduce_scatter_kept_bytes,
+        "reduce_scatter_kept_bytes",
+        &rs_in,
+    )?;
     let reshard = match reshard_after_forward {
         None => vec![true; n],
         Some(obj) => bool_vec(obj, n, "reshard_after_forward")?,
@@ -142,6 +148,7 @@ fn peak_memory<'py>(
         unsharded: &unsharded,
         reduce_scatter_input: &rs_in,
         reduce_scatter_output: &rs_out,
+        reduce_scatter_kept: &rs_kept,
         gradient: &gradient,
         unsharded_gradient: &ugrad,
         accumulated_gradient: &accumulated,
