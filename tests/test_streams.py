@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs import MixedPrecisionPolicy, fully_shard
 from fsdp_rs.runtime.param_group import FSDPParamGroup
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 from fsdp_rs.runtime.streams import CommStreams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,6 +51,10 @@ CONFIGS: dict[str, dict] = {
     "manual_finalization": {"manual": "sync"},
     "manual_accumulate_async": {"manual": "async", "micro": 2, "mp": True},
     "keep_unsharded_storage": {"keep": True},
+    # [Note: Gradient dtype policy] (torch >= 2.15): a bf16 model whose weights
+    # keep fp32 gradients (two groups per layer, reduced in fp32), with no sync
+    "grad_dtype_weights_no_sync": {"grad_dtype": True, "micro": 2},
+    "grad_dtype_weights_hsdp": {"grad_dtype": True, "world": 4, "hsdp": True},
 }
 
 
@@ -86,6 +91,11 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         model.unused = nn.Parameter(torch.randn(3, 3))  # not read: no gradient on this rank
     if config.get("mixed"):
         model[2].to(torch.bfloat16)  # with mp: one group per dtype under the root
+    if config.get("grad_dtype"):
+        model.to(torch.bfloat16)
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.grad_dtype = torch.float32
     if config.get("root_only"):
         layers = []
     for layer in layers:
@@ -109,8 +119,11 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
         for module in [*layers, model]:
             module.set_all_reduce_hook(lambda grads: grads.mul_(1.0), stream=hook_stream)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dtype = torch.float32
+    if config.get("grad_dtype"):  # AdamW refuses gradients of another dtype
+        opt, dtype = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), torch.bfloat16
     with torch.no_grad():
-        model(torch.randn(1, 16))  # lazy init: the side streams exist
+        model(torch.randn(1, 16, dtype=dtype))  # lazy init: the side streams exist
     _name_streams(model)
     micro = config.get("micro", 1)
     with checker:
@@ -127,7 +140,7 @@ def _train(config: dict, device: SimDevice, checker: RaceChecker, world: int) ->
                     handle = model[2].unshard(async_op=True)
                     model[0].unshard()
                     handle.wait()
-                model(torch.randn(4, 16)).float().pow(2).mean().backward()
+                model(torch.randn(4, 16, dtype=dtype)).float().pow(2).mean().backward()
             if manual:
                 model.set_requires_gradient_sync(True)
                 if manual == "async":
@@ -181,6 +194,8 @@ CHECKED: list[CommStreams] = []
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_no_races(name):
+    if CONFIGS[name].get("grad_dtype") and not fsdp2_has_grad_dtype_policy():
+        pytest.skip("this torch's FSDP2 keeps no per-parameter grad_dtype")
     CHECKED.clear()
     checker = _run(name)
     assert checker.violations == []
