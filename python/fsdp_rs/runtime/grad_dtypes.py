@@ -48,7 +48,8 @@ class GradPolicy(NamedTuple):
 
     ``override``: the sharded gradient dtype its parameters set (None: they set
     none, so their dtype); ``promote``: the accumulation dtypes of the call's
-    other trainable parameters it reduces with, unless ``reduce_dtype`` is set."""
+    trainable parameters FSDP2 would reduce with its own (empty where
+    ``reduce_dtype`` is set: that is the reduce dtype)."""
 
     override: torch.dtype | None
     promote: frozenset[torch.dtype]
