@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
 from fsdp_rs.runtime.plan_check import ENV_VAR
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 from spawned import finish
 
 WIDTH = 16
@@ -162,6 +163,19 @@ def mixed_precision(rank: int, mesh) -> None:
     step(model)
 
 
+def grad_dtype(rank: int, mesh) -> None:
+    """[Note: Gradient dtype policy] (torch >= 2.15): one rank's bf16 weight
+    keeps fp32 gradients, so its module is two groups there. Not run where
+    FSDP2 keeps no grad_dtype (fully_shard refuses it on the one rank)."""
+    if not fsdp2_has_grad_dtype_policy():
+        return
+    model = mlp().to(torch.bfloat16)
+    if rank == 1:
+        model[0].weight.grad_dtype = torch.float32
+    shard(model, mesh)
+    step(model, torch.bfloat16)
+
+
 def offload(rank: int, mesh) -> None:
     model = mlp()
     policy = fsdp_rs.CPUOffloadPolicy(pin_memory=False) if rank == 1 else fsdp_rs.OffloadPolicy()
@@ -263,6 +277,7 @@ SCENARIOS: dict[str, Callable[[int, Any], Any]] = {
         requires_grad,
         reshard,
         mixed_precision,
+        grad_dtype,
         offload,
         ignored,
         other_mesh,

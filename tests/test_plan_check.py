@@ -22,6 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs.planning import plan_group, shapes_to_arrays
 from fsdp_rs.runtime import plan_check
+from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_check_scenarios import Collectives, first_forward_collectives, mlp, shard, worker
@@ -38,6 +39,7 @@ W2 = [
     "requires_grad@flat",
     "reshard@flat",
     "mixed_precision@flat",
+    "grad_dtype@flat",
     "offload@flat",
     "ignored@flat",
     "other_mesh@flat",
@@ -158,6 +160,21 @@ def test_mixed_precision(w2):
         "fully_shard module '0' (parameters '0.weight', '0.bias'), mp_policy:",
         "rank 0: param_dtype=None",
         "rank 1: param_dtype=torch.bfloat16",
+    )
+
+
+def test_grad_dtype(w2):
+    """[Note: Gradient dtype policy]: one rank's weight keeps fp32 gradients;
+    the report says which dtypes each rank's groups reduce and keep in."""
+    if not fsdp2_has_grad_dtype_policy():
+        pytest.skip("this torch's FSDP2 keeps no per-parameter grad_dtype")
+    _raised(
+        w2,
+        "grad_dtype@flat",
+        "fully_shard module '0' (parameters '0.weight', '0.bias'), dtypes:",
+        "rank 0: torch.bfloat16 (all-gather torch.bfloat16, reduce torch.bfloat16)\n",
+        "rank 1: torch.bfloat16 (all-gather torch.bfloat16, reduce torch.float32, gradients "
+        "torch.float32) | torch.bfloat16 (all-gather torch.bfloat16, reduce torch.float32)",
     )
 
 

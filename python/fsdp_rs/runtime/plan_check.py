@@ -179,11 +179,14 @@ def _settings(state) -> list[tuple[str, str]]:
     groups = groups_of(state)
     if not groups:
         return []
+    # the policy, then the dtypes: where ranks split a module into different
+    # groups (one per dtype or gradient dtype) they say why, before the settings
+    # listed once per group
     settings = [
-        ("mesh", " | ".join(_mesh_text(g.info) for g in groups)),
-        ("reshard_after_forward", repr(groups[0].reshard_after_forward)),
         ("mp_policy", _mp_text(state)),
         ("dtypes", " | ".join(map(_dtypes_text, groups))),
+        ("mesh", " | ".join(_mesh_text(g.info) for g in groups)),
+        ("reshard_after_forward", repr(groups[0].reshard_after_forward)),
         ("offload_policy", _offload_text(groups[0])),
     ]
     on_dims = [g for g in groups if g.dims is not None]
