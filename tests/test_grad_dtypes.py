@@ -75,13 +75,16 @@ def train(
     offload: bool = False,
     hsdp: bool = False,
     flat: bool = False,
+    after: bool = False,
 ) -> dict:
     """Per library: per step the loss and every sharded gradient (dtype, bytes),
     the parameters' ``grad_dtype``, and the final shards. ``grads``: which
     parameters set which ``grad_dtype`` (a dtype name or None); ``micro``
     micro-batches per step, all but the last without gradient sync; ``hsdp``:
     2 replicas of ``world_size // 2`` shards; ``flat``: SGD with momentum
-    (fsdp-rs's through ``FlatOptimizer``) instead of a plain update."""
+    (fsdp-rs's through ``FlatOptimizer``) instead of a plain update; ``after``:
+    ``grad_dtype`` set on the sharded parameters, after ``fully_shard`` and
+    before the first forward (FSDP2 reads it at lazy init)."""
     shape, names = ((2, world_size // 2), ("replicate", "shard")) if hsdp else ((world_size,), None)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     param_dtype, reduce_dtype = (None if d is None else getattr(torch, d) for d in mp)
@@ -93,11 +96,14 @@ def train(
     for lib, shard in LIBS.items():
         torch.manual_seed(0)
         model = nn.Sequential(Block(), Block()).to(getattr(torch, dtype))
-        for which, name in grads:
-            _set(model, which, None if name is None else getattr(torch, name))
+        settings = [(which, name and getattr(torch, name)) for which, name in grads]
+        for which, grad_dtype in [] if after else settings:
+            _set(model, which, grad_dtype)
         for block in model:
             shard(block, **kwargs)
         shard(model, **kwargs)
+        for which, grad_dtype in settings if after else []:  # on the sharded parameters
+            _set(model, which, grad_dtype)
         opt = None
         if flat:  # fsdp-rs's FlatOptimizer against torch's SGD on FSDP2
             params, kw = list(model.parameters()), {"lr": 0.05, "momentum": 0.9}
@@ -225,6 +231,11 @@ SCENARIOS = {
         "mp": (None, BF16),
         "micro": 2,
     },
+    # set after fully_shard, before the first forward: the first block's group
+    # takes fp32 gradients; fp32 parameters' groups take bf16 ones, which
+    # changes their row alignment (the shards move to a new buffer)
+    "after_shard_first_fp32": {"dtype": BF16, "grads": [("first", FP32)], "after": True},
+    "after_shard_all_bf16_relayout": {"dtype": FP32, "grads": [("all", BF16)], "after": True},
     # grad_dtype=None: the sharded gradients stay in the reduce dtype
     "none_reduce_fp32": {"dtype": BF16, "grads": [("first", None)], "mp": (None, FP32)},
 }
@@ -345,3 +356,15 @@ def test_grad_dtype_kept_on_sharded_params(fake2):
     fsdp_rs.fully_shard(lin)
     assert lin.weight.grad_dtype == torch.float32 and lin.weight._has_grad_dtype_override
     assert lin.bias.grad_dtype == torch.bfloat16 and not lin.bias._has_grad_dtype_override
+
+
+@pytest.mark.skipif(not HAS_POLICY, reason="this torch's FSDP2 drops grad_dtype")
+def test_grad_dtype_set_after_fully_shard_unlike_in_a_group_refused(fake2):
+    """Set after ``fully_shard`` on some parameters of a group and not the
+    others: fsdp-rs would have to split the group, so the first forward raises,
+    naming the parameters and the fix, before any collective."""
+    lin = _lin()
+    fsdp_rs.fully_shard(lin)
+    lin.weight.grad_dtype = torch.float32
+    with pytest.raises(ValueError, match=r"after fully_shard on some of the parameters weight"):
+        lin(torch.randn(2, 8, dtype=torch.bfloat16))

@@ -109,6 +109,8 @@ class ExtensionParamGroup(FSDPParamGroup):
     """A parameter group whose parameters (some or all) use all-gather
     extensions; see [Note: All-gather extensions]."""
 
+    adopts_grad_dtypes = False  # its shards are the extensions' own tensors
+
     def _init_gradients(self) -> None:
         super()._init_gradients()
         self.preplace_grads = False

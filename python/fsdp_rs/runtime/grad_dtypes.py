@@ -29,18 +29,36 @@ gradient the two agree. For the same reason ``grad_dtype=None`` (the gradient
 keeps whatever dtype its op computed) needs an explicit ``reduce_dtype``: the
 reduce dtype would otherwise depend on each rank's gradients. torch's FSDP2
 before 2.15 drops the setting, so there fsdp-rs refuses it rather than drop it.
+
+FSDP2 reads the setting at lazy init, so it may also be made on the sharded
+parameters after ``fully_shard``, before the first forward; fsdp-rs reads it
+there too (``adopt_grad_dtypes``): a group whose parameters changed alike
+takes the new dtypes (its shards move to a new buffer where the row alignment
+changes), and every group of the call the new promotion. One whose parameters
+changed differently would have to be split again: that raises, telling the
+user to set ``grad_dtype`` before ``fully_shard``.
 """
 
 from __future__ import annotations
 
 import functools
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
 
 from fsdp_rs.runtime.policies import MixedPrecisionPolicy, fsdp2_has_grad_dtype_policy
 
-__all__ = ["GradPolicy", "grad_dtype_keys", "grad_policies", "overrides_grad_dtype", "promoted"]
+__all__ = [
+    "UNSET",
+    "GradPolicy",
+    "adopt_grad_dtypes",
+    "grad_dtype_keys",
+    "grad_policies",
+    "grad_settings",
+    "overrides_grad_dtype",
+    "promoted",
+]
 
 
 class GradPolicy(NamedTuple):
@@ -55,9 +73,36 @@ class GradPolicy(NamedTuple):
     promote: frozenset[torch.dtype]
 
 
+UNSET = object()  # a parameter that sets no grad_dtype
+
+
 def overrides_grad_dtype(param: torch.Tensor) -> bool:
     """Whether ``param`` sets its own ``grad_dtype`` (torch >= 2.15 tells)."""
     return bool(getattr(param, "_has_grad_dtype_override", False))
+
+
+def grad_settings(params) -> list:
+    """Each parameter's own ``grad_dtype`` (``UNSET``: none), read now."""
+    return [p.grad_dtype if overrides_grad_dtype(p) else UNSET for p in params]
+
+
+def _key_of(fqn: str, param: torch.Tensor, setting, mp_policy) -> torch.dtype | None:
+    """The sharded gradient dtype a parameter's ``setting`` asks for (None:
+    none set); refuses ``grad_dtype=None`` on a trainable parameter without
+    ``reduce_dtype``."""
+    if setting is UNSET:
+        return None
+    if setting is not None:
+        return setting
+    if mp_policy.reduce_dtype is None and param.requires_grad:
+        raise ValueError(
+            f"fully_shard: parameter {fqn} has grad_dtype None (its gradient keeps the dtype "
+            "its op computes), and the mp_policy has no reduce_dtype: the dtype the group "
+            "reduces in would then depend on the gradients each rank holds. Pass "
+            "MixedPrecisionPolicy(reduce_dtype=...) with the dtype its gradients have, or set "
+            "param.grad_dtype to that dtype"
+        )
+    return mp_policy.reduce_dtype  # FSDP2 leaves such a shard in the reduce dtype
 
 
 def grad_dtype_keys(managed, mp_policy: MixedPrecisionPolicy) -> list[torch.dtype | None]:
@@ -80,24 +125,8 @@ def grad_dtype_keys(managed, mp_policy: MixedPrecisionPolicy) -> list[torch.dtyp
                     "reduced in a wider dtype"
                 )
         return [None] * len(params)
-    keys: list[torch.dtype | None] = []
-    for fqn, p in zip(managed.fqns, params, strict=True):
-        if not overrides_grad_dtype(p):
-            keys.append(None)
-            continue
-        dtype = p.grad_dtype
-        if dtype is None:
-            if mp_policy.reduce_dtype is None and p.requires_grad:
-                raise ValueError(
-                    f"fully_shard: parameter {fqn} has grad_dtype None (its gradient keeps "
-                    "the dtype its op computes), and the mp_policy has no reduce_dtype: the "
-                    "dtype the group reduces in would then depend on the gradients each rank "
-                    "holds. Pass MixedPrecisionPolicy(reduce_dtype=...) with the dtype its "
-                    "gradients have, or set param.grad_dtype to that dtype"
-                )
-            dtype = mp_policy.reduce_dtype  # FSDP2 leaves such a shard in the reduce dtype
-        keys.append(dtype)
-    return keys
+    settings = grad_settings(params)
+    return list(map(_key_of, managed.fqns, params, settings, repeat(mp_policy)))
 
 
 def grad_policies(managed, keys: list[tuple], mp_policy) -> dict[tuple, GradPolicy | None]:
@@ -118,6 +147,58 @@ def grad_policies(managed, keys: list[tuple], mp_policy) -> dict[tuple, GradPoli
         promote = () if explicit else accumulate.get(_reduced_with(key), ())
         policies[key] = GradPolicy(key[3], frozenset(promote))
     return policies
+
+
+def adopt_grad_dtypes(group) -> None:
+    """``grad_dtype`` set on the sharded parameters after ``fully_shard``, read
+    at lazy init as FSDP2 reads it there: each group whose parameters' settings
+    changed takes the new gradient dtypes, and every group of the call the new
+    promotion. A group is not split again: its parameters must change alike
+    (else set them before ``fully_shard``)."""
+    if not fsdp2_has_grad_dtype_policy():
+        return  # this torch's FSDP2 drops the setting; fully_shard refused it
+    members = getattr(group, "groups", (group,))
+    now = [grad_settings(m.sharded_params) for m in members]
+    before = [m._grad_settings or [UNSET] * len(m.sharded_params) for m in members]
+    if now == before:
+        return
+    mp_policy = members[0].mp_policy
+    keys = []
+    for m, settings, old in zip(members, now, before, strict=True):
+        fqns = m.managed.fqns
+        found = set(map(_key_of, fqns, m.sharded_params, settings, repeat(mp_policy)))
+        where = f"parameters {', '.join(fqns[:3])}{', ...' if len(fqns) > 3 else ''}"
+        if len(found) > 1:
+            raise ValueError(
+                f"fsdp_rs: grad_dtype was set after fully_shard on some of the {where} of one "
+                f"group and not alike on the others (now {sorted(map(str, found))}); fsdp-rs "
+                "groups parameters by gradient dtype at fully_shard: set grad_dtype before "
+                "calling fully_shard"
+            )
+        if settings != old and not m.adopts_grad_dtypes:
+            raise ValueError(
+                f"fsdp_rs: grad_dtype was set after fully_shard on the {where}, which use "
+                "all-gather extensions; set it before calling fully_shard"
+            )
+        if settings != old and m.unsharded_params is not None:
+            raise ValueError(
+                f"fsdp_rs: grad_dtype was set on the {where} after they were unsharded; set it "
+                "before fully_shard, or before the first forward or unshard()"
+            )
+        keys.append(found.pop())
+    trains = [any(p.requires_grad for p in m.sharded_params) for m in members]
+    accumulate: dict[tuple, set[torch.dtype]] = {}  # by what FSDP2 reduces as one group
+    for m, key, t in zip(members, keys, trains, strict=True):
+        if t:
+            accumulate.setdefault((m.orig_dtype, id(m.info)), set()).add(key or m.orig_dtype)
+    any_trains = any(key is not None for key, t in zip(keys, trains, strict=True) if t)
+    explicit = mp_policy.reduce_dtype is not None
+    for m, key in zip(members, keys, strict=True):
+        policy = None
+        if key is not None or any_trains:
+            promote = () if explicit else accumulate.get((m.orig_dtype, id(m.info)), ())
+            policy = GradPolicy(key, frozenset(promote))
+        m.set_grad_policy(policy)
 
 
 def _reduced_with(key: tuple) -> tuple:

@@ -58,7 +58,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.kernels._dtypes import is_copyable
 from fsdp_rs.ops import EagerOps
-from fsdp_rs.runtime.grad_dtypes import GradPolicy, overrides_grad_dtype, promoted
+from fsdp_rs.runtime.grad_dtypes import (
+    UNSET,
+    GradPolicy,
+    grad_settings,
+    overrides_grad_dtype,
+    promoted,
+)
 from fsdp_rs.runtime.gradients import GradientReduction
 from fsdp_rs.runtime.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.mesh import MeshInfo
@@ -127,12 +133,12 @@ def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
     return list(map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets))
 
 
-_UNSET = object()  # a parameter that sets no grad_dtype
 _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 
 class FSDPParamGroup(Unsharding, GradientReduction):
     dims: list[int] | None = None  # the dim FSDP shards per parameter; None: all 0
+    adopts_grad_dtypes = True  # set_grad_policy after fully_shard ([Note: Gradient dtype policy])
     # (the _grad_index they are for, dtype, a spec per trainable parameter)
     _grad_specs: tuple | None = None
     annotations: list | None = None  # [Note: spmd_types parameters]
@@ -153,7 +159,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.grad_policy = grad_policy  # [Note: Gradient dtype policy]
         # each parameter's own setting, which its sharded parameter keeps
         self._grad_settings = (
-            [p.grad_dtype if overrides_grad_dtype(p) else _UNSET for p in managed.params]
+            grad_settings(managed.params)
             if grad_policy is not None or any(map(overrides_grad_dtype, managed.params))
             else None
         )
@@ -438,7 +444,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         if self._grad_settings is None:
             return
         for p, setting in zip(self.sharded_params, self._grad_settings, strict=True):
-            if setting is not _UNSET and not overrides_grad_dtype(p):
+            if setting is not UNSET and not overrides_grad_dtype(p):
                 p.grad_dtype = setting
 
     def _read_requires_grad(self) -> None:
@@ -508,18 +514,41 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         dtype = locals_[0].dtype
         if dtype != self.orig_dtype:
             self._set_dtypes(dtype)
+        self._relayout(current, locals_)
+        self.managed.swap(self.sharded_params)
+
+    def _relayout(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
+        """``params`` (with local shards ``locals_``) become the group's sharded
+        parameters, their shards copied into a new buffer of the current layout."""
         self.sharded = self._alloc_sharded(self.shard_device)
         views = self._local_views(self.sharded)
         with torch.no_grad():
             torch._foreach_copy_(views, locals_)
-        for i, (p, view) in enumerate(zip(current, views, strict=True)):
+        for i, (p, view) in enumerate(zip(params, views, strict=True)):
             p._local_tensor = view
             p._spec = self._spec_of(i, view.dtype)
-        self.sharded_params = current
+        self.sharded_params = params
         self._keep_grad_dtype()
         self._read_requires_grad()
         self.unsharded_params = None
-        self.managed.swap(self.sharded_params)
+
+    def set_grad_policy(self, policy: GradPolicy | None) -> None:
+        """Take ``grad_dtype`` settings made on the sharded parameters after
+        ``fully_shard`` (FSDP2 reads them at lazy init): the group's gradient
+        dtypes, and its layout where they change it ([Note: Gradient dtype
+        policy]). Before the first unshard only."""
+        settings = grad_settings(self.sharded_params)
+        self.grad_policy = policy
+        self._grad_settings = None if all(s is UNSET for s in settings) else settings
+        layout = self.layout
+        self._set_dtypes(self.orig_dtype)
+        if (
+            self.layout.row_offsets != layout.row_offsets
+            or self.plan.row_numel != layout.plan.row_numel
+        ):
+            self._relayout(self.sharded_params, [p._local_tensor for p in self.sharded_params])
+        else:
+            self._read_requires_grad()
 
     def _check_registered_dtensors(self, current: list[torch.Tensor]) -> None:
         for fqn, p in zip(self.managed.fqns, current, strict=True):

@@ -54,6 +54,7 @@ from fsdp_rs.runtime.backward_order import BackwardOrder
 from fsdp_rs.runtime.compile import eager_hook
 from fsdp_rs.runtime.containers import map_tensors, tensors_in
 from fsdp_rs.runtime.grad_buffers import local_tensor
+from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.plan_check import check_plans, groups_of, param_fqn
@@ -243,6 +244,7 @@ class FSDPState:
                 state.group.adopt_registered()
                 if state.group.on_meta:
                     raise _still_on_meta(state, name_of)
+                adopt_grad_dtypes(state.group)  # [Note: Gradient dtype policy]
         groups = [state.group for state in states if state.group is not None]
         streams = NO_STREAMS
         if groups:
