@@ -158,11 +158,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.managed = managed
         self.grad_policy = grad_policy  # [Note: Gradient dtype policy]
         # each parameter's own setting, which its sharded parameter keeps
-        self._grad_settings = (
-            grad_settings(managed.params)
-            if grad_policy is not None or any(map(overrides_grad_dtype, managed.params))
-            else None
-        )
+        settings = grad_settings(managed.params)
+        any_set = settings.count(UNSET) != len(settings)
+        self._grad_settings = settings if grad_policy is not None or any_set else None
         self.modules = tuple(modules)
         self.info = info
         self.device = info.device
@@ -539,7 +537,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         policy]). Before the first unshard only."""
         settings = grad_settings(self.sharded_params)
         self.grad_policy = policy
-        self._grad_settings = None if all(s is UNSET for s in settings) else settings
+        self._grad_settings = None if settings.count(UNSET) == len(settings) else settings
         layout = self.layout
         self._set_dtypes(self.orig_dtype)
         if (
