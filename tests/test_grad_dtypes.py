@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_rs
 from fsdp_rs.optim import FlatOptimizer
+from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes
+from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -368,3 +370,23 @@ def test_grad_dtype_set_after_fully_shard_unlike_in_a_group_refused(fake2):
     lin.weight.grad_dtype = torch.float32
     with pytest.raises(ValueError, match=r"after fully_shard on some of the parameters weight"):
         lin(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not HAS_POLICY, reason="this torch's FSDP2 drops grad_dtype")
+def test_grad_dtype_set_after_fully_shard_read_by_unshard(fake2):
+    """FSDP2 reads ``grad_dtype`` at lazy init, which ``unshard()`` starts too:
+    set after ``fully_shard``, it holds for an explicit first unshard, and a
+    change after that raises instead of failing in the backward."""
+    lin = _lin()
+    fsdp_rs.fully_shard(lin)
+    lin.weight.grad_dtype = lin.bias.grad_dtype = torch.float32
+    lin.unshard()
+    lin(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    assert lin.weight.grad.dtype == lin.bias.grad.dtype == torch.float32
+    other = _lin()
+    fsdp_rs.fully_shard(other)
+    other(torch.randn(2, 8, dtype=torch.bfloat16))  # unsharded: too late to change
+    other.reshard()  # the sharded parameters registered again
+    other.weight.grad_dtype = other.bias.grad_dtype = torch.float32
+    with pytest.raises(ValueError, match="after they were unsharded"):
+        adopt_grad_dtypes(state_of(other).group)

@@ -23,7 +23,7 @@ from fsdp_rs.runtime.comm_api import CommSettings
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
 from fsdp_rs.runtime.finalize import GradientReductionHandle
-from fsdp_rs.runtime.grad_dtypes import grad_dtype_keys, grad_policies
+from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
 from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
@@ -342,6 +342,8 @@ class FSDPModule(CommSettings):
         if group is None:
             return UnshardHandle(None) if async_op else None
         group.adopt_registered()
+        if self._state.context is None:  # before lazy init, as FSDP2 reads it there
+            adopt_grad_dtypes(group)  # [Note: Gradient dtype policy]
         group.unshard(async_op=async_op)
         if async_op:
             return UnshardHandle(group)
