@@ -66,6 +66,20 @@ def _raw(t: torch.Tensor) -> list[int]:
     return t.detach().contiguous().view(-1).view(torch.uint8).tolist()
 
 
+def _grads(model: nn.Module, values=_raw) -> dict:
+    """Each sharded gradient's dtype and ``values`` (its bytes by default)."""
+    return {n: (str(p.grad.dtype), values(p.grad)) for n, p in model.named_parameters()}
+
+
+def _finished(model: nn.Module, steps: list, values=_raw) -> dict:
+    """A library's record: ``steps``, the parameters' ``grad_dtype``, the shards."""
+    return {
+        "steps": steps,
+        "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
+        "shards": {n: values(p) for n, p in model.named_parameters()},
+    }
+
+
 def train(
     world_size: int,
     rank: int,
@@ -121,7 +135,7 @@ def train(
                 loss = model(x).float().pow(2).mean()
                 loss.backward()
                 losses.append(loss.item())
-            grads_now = {n: (str(p.grad.dtype), _raw(p.grad)) for n, p in model.named_parameters()}
+            grads_now = _grads(model)
             if opt is not None:
                 opt.step()
             else:
@@ -130,11 +144,7 @@ def train(
                         p.add_(p.grad.to(p.dtype), alpha=-0.05)
             model.zero_grad(set_to_none=step % 2 == 0)
             steps.append({"losses": losses, "grads": grads_now})
-        out[lib] = {
-            "steps": steps,
-            "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
-            "shards": {n: _raw(p) for n, p in model.named_parameters()},
-        }
+        out[lib] = _finished(model, steps)
     return out
 
 
@@ -157,17 +167,13 @@ def train_tp(world_size: int, rank: int, which: str) -> dict:
         for step in range(STEPS):
             loss = model(nd._inputs(mesh, step, True).bfloat16()).float().pow(2).mean()
             loss.backward()
-            grads = {n: (str(p.grad.dtype), _raw(p.grad)) for n, p in model.named_parameters()}
+            grads = _grads(model)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(p.grad.to(p.dtype), alpha=-0.05)
             model.zero_grad()
             steps.append({"losses": [loss.item()], "grads": grads})
-        out[lib] = {
-            "steps": steps,
-            "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
-            "shards": {n: _raw(p) for n, p in model.named_parameters()},
-        }
+        out[lib] = _finished(model, steps)
     return out
 
 
@@ -193,16 +199,10 @@ def train_extension(world_size: int, rank: int, kind: str, grad_dtype: str) -> d
                 loss = model(ext._inputs(rank, step, micro)).sum()
                 loss.backward()
                 losses.append(loss.item())
-            grads = {
-                n: (str(p.grad.dtype), ext._values(p.grad)) for n, p in model.named_parameters()
-            }
+            grads = _grads(model, ext._values)
             model.zero_grad()
             steps.append({"losses": losses, "grads": grads})
-        out[lib] = {
-            "steps": steps,
-            "grad_dtypes": {n: str(p.grad_dtype) for n, p in model.named_parameters()},
-            "shards": {n: ext._values(p) for n, p in model.named_parameters()},
-        }
+        out[lib] = _finished(model, steps, ext._values)
     return out
 
 

@@ -346,7 +346,8 @@ def test_group_bytes_with_cpu_offload_leave_the_host_out():
             device=torch.device(device),
             shard_device=torch.device(shard_device),
             keep_unsharded_storage=False,
-            grad_policy=None,  # [Note: Gradient dtype policy]: none set
+            grad_dtype=torch.float32,  # the plan's (default) 4-byte dtypes
+            accumulate_dtype=torch.float32,
         )
 
     on_device = _group_bytes(group("cuda", "cuda"), True, 0)

@@ -148,19 +148,32 @@ def grad_policies(managed, keys: list[tuple], mp_policy) -> dict[tuple, GradPoli
     """Per group key (``(dtype key, extension, other dim, grad_dtype_keys' item,
     mesh)``), its ``GradPolicy``; None for a group whose parameters set no
     ``grad_dtype`` in a call where no trainable parameter sets one."""
-    trainable = [key for key, p in zip(keys, managed.params, strict=True) if p.requires_grad]
-    any_trains = any(key[3] is not None for key in trainable)
-    accumulate: dict[tuple, set[torch.dtype]] = {}  # by what FSDP2 reduces as one group
-    for key in trainable:
-        accumulate.setdefault(_reduced_with(key), set()).add(key[3] or _dtype_of(key))
+    trains: dict[tuple, bool] = {}  # per key, whether a parameter of it trains
+    for key, p in zip(keys, managed.params, strict=True):
+        trains[key] = trains.get(key, False) or p.requires_grad
+    groups = [(key[3], _dtype_of(key), key[-1], t) for key, t in trains.items()]
+    return dict(zip(trains, _policies(groups, mp_policy), strict=True))
+
+
+def _policies(groups: list[tuple], mp_policy) -> list[GradPolicy | None]:
+    """The ``GradPolicy`` of each of a call's groups, given as ``(the gradient
+    dtype its parameters set or None, its dtype, its mesh, whether it trains)``:
+    the promotion over the accumulation dtypes of the trainable groups of the
+    same dtype and mesh (FSDP2 reduces those as one group), unless the policy
+    has a ``reduce_dtype``."""
+    accumulate: dict[tuple, set[torch.dtype]] = {}
+    for override, dtype, mesh, trains in groups:
+        if trains:
+            accumulate.setdefault((dtype, mesh), set()).add(override or dtype)
+    any_trains = any(override is not None for override, _, _, trains in groups if trains)
     explicit = mp_policy.reduce_dtype is not None
-    policies: dict[tuple, GradPolicy | None] = {}
-    for key in keys:
-        if key[3] is None and not any_trains:
-            policies[key] = None
+    policies: list[GradPolicy | None] = []
+    for override, dtype, mesh, _ in groups:
+        if override is None and not any_trains:
+            policies.append(None)
             continue
-        promote = () if explicit else accumulate.get(_reduced_with(key), ())
-        policies[key] = GradPolicy(key[3], frozenset(promote))
+        promote = () if explicit else accumulate.get((dtype, mesh), ())
+        policies.append(GradPolicy(override, frozenset(promote)))
     return policies
 
 
@@ -174,7 +187,7 @@ def adopt_grad_dtypes(group) -> None:
         return  # this torch's FSDP2 drops the setting; fully_shard refused it
     members = getattr(group, "groups", (group,))
     now = [grad_settings(m.sharded_params) for m in members]
-    before = [m._grad_settings or [UNSET] * len(m.sharded_params) for m in members]
+    before = [m._grad_settings for m in members]
     if now == before:
         return
     mp_policy = members[0].mp_policy
@@ -202,22 +215,11 @@ def adopt_grad_dtypes(group) -> None:
             )
         keys.append(found.pop())
     trains = [any(p.requires_grad for p in m.sharded_params) for m in members]
-    accumulate: dict[tuple, set[torch.dtype]] = {}  # by what FSDP2 reduces as one group
-    for m, key, t in zip(members, keys, trains, strict=True):
-        if t:
-            accumulate.setdefault((m.orig_dtype, id(m.info)), set()).add(key or m.orig_dtype)
-    any_trains = any(key is not None for key, t in zip(keys, trains, strict=True) if t)
-    explicit = mp_policy.reduce_dtype is not None
-    for m, key in zip(members, keys, strict=True):
-        policy = None
-        if key is not None or any_trains:
-            promote = () if explicit else accumulate.get((m.orig_dtype, id(m.info)), ())
-            policy = GradPolicy(key, frozenset(promote))
+    groups = [
+        (k, m.orig_dtype, id(m.info), t) for m, k, t in zip(members, keys, trains, strict=True)
+    ]
+    for m, policy in zip(members, _policies(groups, mp_policy), strict=True):
         m.set_grad_policy(policy)
-
-
-def _reduced_with(key: tuple) -> tuple:
-    return (_dtype_of(key), key[-1])
 
 
 def _dtype_of(key: tuple) -> torch.dtype:

@@ -81,16 +81,14 @@ def _group_bytes(group, resharded: bool, rows: int) -> dict[str, int]:
     if grads is not None:
         out["reduce_scatter_input_bytes"] = grads.reduce_scatter_input_bytes
         out["reduce_scatter_output_bytes"] = grads.reduce_scatter_output_bytes
-        sharded_grad_bytes = grads.sharded_bytes
-        accumulated = grads.unsharded_numel * grads.reduce_elem_size
-        if group.grad_policy is not None:  # [Note: Gradient dtype policy]
-            sharded_grad_bytes = grads.row_numel * group.grad_dtype.itemsize
-            accumulated = grads.unsharded_numel * group.accumulate_dtype.itemsize
+        # the sharded and the accumulated gradients in their own dtypes (the
+        # original and the reduce dtype unless [Note: Gradient dtype policy])
+        sharded_grad_bytes = grads.row_numel * group.grad_dtype.itemsize
         out["gradient_bytes"] = sharded_grad_bytes if on_device else 0
         # in the compute dtype, also where autograd casts them to a narrower
         # grad_dtype: it computes each in the compute dtype first
         out["unsharded_gradient_bytes"] = grads.unsharded_bytes
-        out["accumulated_gradient_bytes"] = accumulated
+        out["accumulated_gradient_bytes"] = grads.unsharded_numel * group.accumulate_dtype.itemsize
     return out
 
 

@@ -158,9 +158,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.managed = managed
         self.grad_policy = grad_policy  # [Note: Gradient dtype policy]
         # each parameter's own setting, which its sharded parameter keeps
-        settings = grad_settings(managed.params)
-        any_set = settings.count(UNSET) != len(settings)
-        self._grad_settings = settings if grad_policy is not None or any_set else None
+        self._grad_settings = grad_settings(managed.params)
         self.modules = tuple(modules)
         self.info = info
         self.device = info.device
@@ -439,9 +437,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         """The sharded parameters keep the ``grad_dtype`` the originals set, as
         FSDP2's do ([Note: Gradient dtype policy]); a replacement (``model.to()``)
         that sets none gets it again."""
-        if self._grad_settings is None:
+        settings = self._grad_settings
+        if settings.count(UNSET) == len(settings):  # none set: one C-level pass
             return
-        for p, setting in zip(self.sharded_params, self._grad_settings, strict=True):
+        for p, setting in zip(self.sharded_params, settings, strict=True):
             if setting is not UNSET and not overrides_grad_dtype(p):
                 p.grad_dtype = setting
 
@@ -535,9 +534,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         ``fully_shard`` (FSDP2 reads them at lazy init): the group's gradient
         dtypes, and its layout where they change it ([Note: Gradient dtype
         policy]). Before the first unshard only."""
-        settings = grad_settings(self.sharded_params)
         self.grad_policy = policy
-        self._grad_settings = None if settings.count(UNSET) == len(settings) else settings
+        self._grad_settings = grad_settings(self.sharded_params)
         layout = self.layout
         self._set_dtypes(self.orig_dtype)
         if (
