@@ -31,9 +31,23 @@ stages), and FSDP2 follows at every unshard. So each unshard outside backward,
 from SHARDED, compares the sharded parameters' ``requires_grad`` with the set
 it planned (one C-level pass) and, where it changed, makes the unsharded
 parameters again, as at the first unshard, over the same unsharded storage
-(``set_keep_unsharded_storage`` keeps its data pointers). In backward, or from
-SHARDED_POST_FORWARD, the forward's set stays: autograd recorded the forward
-on those parameters. Gradients of the old set that no reduction has taken
+(``set_keep_unsharded_storage`` keeps its data pointers). In backward the
+forward's set stays: autograd recorded the forward on those parameters.
+
+A group can also meet the change still unsharded (or holding post-forward
+rows): the root keeps its parameters after forward, so an evaluation forward
+under ``torch.no_grad()`` between steps leaves it UNSHARDED, and the next
+training forward's unshard has nothing to do. Followed only from SHARDED, a
+parameter unfrozen there never trained (and FSDP2, which sets
+``requires_grad`` only when it moves to UNSHARDED, trains it one step late
+and a frozen one one step more). Whether an autograd graph may hold the
+unsharded parameters is ``forward_graph``: set by a forward with grad enabled,
+cleared at the end of the backward. Without one, the unshard reshards and
+unshards again from the shards (one all-gather, only when the set changed);
+with one (a second forward before the backward, or a forward with grad
+enabled whose backward never ran), making the parameters again would leave
+that graph's gradients on the old ones, so it raises, naming the parameter and
+the fix. Gradients of the old set that no reduction has taken
 (backwards without sync) would lose their layout: that raises, naming the
 parameter. Sharded ``.grad``s kept from before (``zero_grad(set_to_none=False)``)
 are views of the old gradient buffer, which the next reduction treats as any
@@ -208,6 +222,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.force_sum_reduction = False
         self.reshard_after_forward: bool | int = True
         self.post_backward_done = False
+        # A forward with grad enabled ran on the unsharded parameters and the end of
+        # its backward has not come: [Note: Trainable set changes]
+        self.forward_graph = False
         # (work of an async collective, all-gather output, its event, all-gather input)
         self._pending_unshard: tuple | None = None
         self.streams = NO_STREAMS  # the root's, from lazy init
@@ -456,19 +473,45 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._grad_nd = None if self.nd is None else [self.nd[i] for i in self._grad_index]
         self.grad_layout = self.grad_layout_of(self._grad_index)
 
+    def requires_grad_now(self) -> list[bool]:
+        """The sharded parameters' ``requires_grad``, after taking what the user
+        set on the registered parameters while they were the unsharded ones
+        (``model.parameters()`` between an evaluation forward and the next
+        step): such a change is copied to the sharded parameter, which outlives
+        the unsharded one ([Note: Trainable set changes])."""
+        now = list(map(_REQUIRES_GRAD, self.sharded_params))
+        if self.state is not ShardedState.UNSHARDED or self.unsharded_params is None:
+            return now
+        registered = list(map(_REQUIRES_GRAD, self.unsharded_params))
+        if registered == self.requires_grad:
+            return now
+        for i, (flag, planned) in enumerate(zip(registered, self.requires_grad, strict=True)):
+            if flag != planned and now[i] != flag:
+                self.sharded_params[i].requires_grad_(flag)
+                now[i] = flag
+        return now
+
     def trainable_set_changed(self) -> bool:
         """Whether an unshard must make the unsharded parameters again because a
         sharded parameter's ``requires_grad`` changed ([Note: Trainable set
         changes]); raises where gradients of the old set wait for a reduction."""
         if (
             self.unsharded_params is None
-            or self.state is not ShardedState.SHARDED
             or torch._C._current_graph_task_id() != -1  # backward: the forward's set
         ):
             return False
-        now = list(map(_REQUIRES_GRAD, self.sharded_params))
+        now = self.requires_grad_now()
         if now == self.requires_grad:
             return False
+        if self.state is not ShardedState.SHARDED and self.forward_graph:
+            i = list(map(operator.ne, now, self.requires_grad)).index(True)
+            raise RuntimeError(
+                f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} "
+                "while its unsharded parameters are held by the autograd graph of a "
+                "forward whose backward has not run; change requires_grad after that "
+                "backward, run forwards you do not backward under torch.no_grad(), or "
+                "call reshard() on the module first"
+            )
         if self.holds_unreduced_grads():
             i = list(map(operator.ne, now, self.requires_grad)).index(True)
             raise RuntimeError(

@@ -315,12 +315,15 @@ class FSDPState:
 
     def _unshard_for_forward(self) -> None:
         group = self.group
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             order = self.context.forward_order
             self._forward_index = len(order)
             order.append(self)
         group.unshard(side_streams=True)
         group.wait_for_unshard(defer_release=True)
+        if grad and not group.forward_graph:  # [Note: Trainable set changes]
+            group.forward_graph = True
         for other in self.forward_prefetch:
             if other.group is not None:
                 other.group.prefetch()
@@ -362,6 +365,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.discard_unshard_state()
                 state.group.discard_gradient_state()
+                state.group.forward_graph = False
         context.agreement.discard()
         finalize.discard(context)
         context.forward_order = []
@@ -501,6 +505,7 @@ class FSDPState:
             if group is None:
                 continue
             state._modules_ran.clear()
+            group.forward_graph = False  # [Note: Trainable set changes]
             if not group.post_backward_done:
                 if manual and group.reduce_grads:
                     group.finalize_pending = True  # reduced by finalize_backward()

@@ -148,7 +148,11 @@ class Unsharding:
         collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
         unsharded or already started. ``side_streams``: called by a hook, run on
         the all-gather streams (see [Note: Streams])."""
-        if self.state == ShardedState.UNSHARDED or self._pending_unshard is not None:
+        if self._pending_unshard is not None:
+            return
+        if self.state is not ShardedState.SHARDED and self.trainable_set_changed():
+            self.reshard()  # [Note: Trainable set changes] made again from the shards
+        if self.state == ShardedState.UNSHARDED:
             return
         if self.unsharded_params is None or self.trainable_set_changed():
             with torch.inference_mode(False):  # [Note: Made outside inference mode]
@@ -304,6 +308,8 @@ class Unsharding:
             self._post_forward_event = self.streams.record()
             self.streams.release_after((ag,), self._post_forward_event, defer=True)
         self._ag_rows = None
+        if not (after_forward or self.forward_graph) and torch._C._current_graph_task_id() == -1:
+            self.requires_grad_now()  # [Note: Trainable set changes] kept past the swap
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
         self.managed.swap(self.sharded_params)
