@@ -944,6 +944,94 @@ def trainable_set_change_mid_accumulation(world_size: int, rank: int) -> dict:
     return {"raised": None}
 
 
+# step -> (parameters to freeze, to unfreeze) for trainable_set_after_eval: the
+# root's head too, whose group an evaluation forward leaves unsharded
+_EVAL_FREEZE_PLAN = {
+    0: (["head.weight", "blocks.1.lin1.weight"], []),
+    2: (["blocks.0.lin2.bias"], ["head.weight"]),
+    4: ([], ["blocks.0.lin2.bias", "blocks.1.lin1.weight"]),
+}
+
+
+def _reshard_all(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
+            module.reshard()
+
+
+def trainable_set_after_eval(
+    world_size: int, rank: int, keep: bool = False, steps: int = 6
+) -> dict:
+    """``requires_grad`` changed through ``model.named_parameters()`` after an
+    evaluation forward under ``torch.no_grad()``: the root (and, with ``keep``,
+    every module: reshard_after_forward=False) is still unsharded, so the
+    parameters changed are the unsharded ones ([Note: Trainable set changes]).
+    FSDP2 follows such a change one step late; it follows one made on the
+    sharded parameters, so its run reshards before each change, as does a second
+    fsdp-rs run ("rs_reshard"): the three train the same parameters, bit for
+    bit."""
+    kwargs = {"reshard_after_forward": False} if keep else {}
+    out = {}
+    for key, lib, reshard_first in (
+        ("rs", "rs", False),
+        ("torch", "torch", True),
+        ("rs_reshard", "rs", True),
+    ):
+        model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, had, evaluated, unsharded_at_change = [], [], [], []
+        for step in range(steps):
+            freeze, unfreeze = _EVAL_FREEZE_PLAN.get(step, ([], []))
+            if freeze or unfreeze:
+                unsharded_at_change.append(
+                    not isinstance(model.head.weight, DTensor)
+                )
+                if reshard_first:
+                    _reshard_all(model)
+                for name, p in model.named_parameters():
+                    if any(name.startswith(f) for f in freeze):
+                        p.requires_grad_(False)
+                    if any(name.startswith(u) for u in unfreeze):
+                        p.requires_grad_(True)
+            loss = _loss(model, _inputs(rank, step))
+            loss.backward()
+            losses.append(loss.item())
+            had.append([p.grad is not None for p in optim.param_groups[0]["params"]])
+            optim.step()
+            optim.zero_grad()
+            with torch.no_grad():
+                evaluated.append(_loss(model, _inputs(rank, step, 7)).item())
+        _reshard_all(model)
+        out[key] = {
+            "losses": losses,
+            "had": had,
+            "evaluated": evaluated,
+            "params": _shards(model),
+            "requires_grad": [p.requires_grad for p in model.parameters()],
+        }
+        out[f"{key}_unsharded_at_change"] = unsharded_at_change
+    return out
+
+
+def trainable_set_change_with_pending_graph(world_size: int, rank: int) -> dict:
+    """fsdp-rs: a change met by a second forward while the first forward's
+    graph still holds the unsharded parameters (they would be made again under
+    it) raises, naming the parameter; after ``reset_iter_state`` training goes on."""
+    model = _sharded("rs", _net(), _mesh(world_size, False), reshard_after_forward=False)
+    first = _loss(model, _inputs(rank, 0))
+    model.head.weight.requires_grad_(False)
+    try:
+        _loss(model, _inputs(rank, 1))
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    del first
+    model.reset_iter_state()
+    loss = _loss(model, _inputs(rank, 2))
+    loss.backward()
+    return {"raised": raised, "head_grad": model.head.weight.grad is not None, "loss": loss.item()}
+
+
 def inference_first(world_size: int, rank: int, form: str = "fp32", steps: int = 4) -> dict:
     """An evaluation forward before training and between steps (as a
     validation sanity pass does): fsdp-rs under ``torch.inference_mode()``,
@@ -1007,6 +1095,9 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "after_checkpoint": (second_model, {}),
     "after_exception": (second_model, {"first": "exception"}),
     "trainable_set": (trainable_set_changes, {}),
+    "trainable_set_after_eval": (trainable_set_after_eval, {}),
+    "trainable_set_after_eval_keep": (trainable_set_after_eval, {"keep": True}),
+    "trainable_set_pending_graph": (trainable_set_change_with_pending_graph, {}),
     "trainable_set_bf16": (trainable_set_changes, {"form": "bf16"}),
     "trainable_set_keep": (trainable_set_changes, {"form": "keep"}),
     "trainable_set_keep_grads": (trainable_set_changes, {"form": "keep_grads"}),

@@ -289,6 +289,28 @@ def test_inference_mode_forward_before_training(results, name):
         assert len(r["rs"]["evaluated"]) == 2, rank
 
 
+@pytest.mark.parametrize("name", ["trainable_set_after_eval", "trainable_set_after_eval_keep"])
+def test_requires_grad_changed_on_unsharded_parameters(results, name):
+    """Changed through ``model.named_parameters()`` after an evaluation forward
+    left modules unsharded: followed at the next forward, bit for bit as FSDP2
+    (and fsdp-rs) follow the same change made on the sharded parameters."""
+    for rank, r in _each_rank(results, name):
+        # step 0 is before any forward; steps 2 and 4 follow an evaluation
+        assert r["rs_unsharded_at_change"] == [False, True, True], rank
+        _assert_same(rank, r["rs"], r["torch"])
+        _assert_same(rank, r["rs"], r["rs_reshard"])
+        had = r["rs"]["had"]
+        assert had[0] != had[2] != had[4], "the plan changed which parameters train"
+        assert all(r["rs"]["requires_grad"]), "the last unfreezing was kept on the shards"
+
+
+def test_requires_grad_changed_under_a_pending_graph_raises(results):
+    for rank, r in _each_rank(results, "trainable_set_pending_graph"):
+        assert r["raised"] and "head.weight changed to False" in r["raised"], rank
+        assert "held by the autograd graph" in r["raised"]
+        assert r["head_grad"] is False  # followed after reset_iter_state
+
+
 def test_requires_grad_changed_mid_accumulation_raises(results):
     for rank, r in _each_rank(results, "trainable_set_mid_accumulation"):
         assert r["raised"] and "lin1.weight changed to False" in r["raised"], rank
