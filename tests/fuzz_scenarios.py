@@ -1,0 +1,365 @@
+"""Differential fuzzing against torch FSDP2: a seeded random model, sharding
+and training loop, run under both libraries in one spawn of gloo ranks; each
+step's losses, gradients (whole) and the final parameters are compared bit
+for bit, and where the run is fp32 also with the unsharded model whose
+gradients are all-reduced (``train_reference``).
+
+What a seed draws: 1-4 blocks of odd widths (bias or not, LayerNorm, a scale
+vector, a parameter never used, a branch used on even steps only, activation
+checkpointing); which blocks get their own ``fully_shard`` (a call over two,
+or left to the root), each call's ``reshard_after_forward``; the mixed
+precision policy (one for all, or drawn per call), CPU offload; frozen
+parameters; SGD with momentum, AdamW or single-tensor Adam; micro-steps with
+and without gradient sync; ``zero_grad`` with and without ``set_to_none``;
+evaluation forwards under ``no_grad`` between steps; an explicit ``unshard()``;
+``set_reshard_after_backward(False)`` (resharding before the optimizer, as it
+asks); a ``requires_grad`` flipped through the registered parameter before the
+second step ([Note: Trainable set changes]: FSDP2 follows a change on the
+sharded parameter, so its run reshards first).
+
+Every rank uses every parameter alike (FSDP2 differs from unsharded training
+where a parameter gets a gradient on some ranks only; tests/test_partial_grads.py
+covers that), and the world is 2 (gloo's sums of two values do not depend on
+buffer sizes: [Note: Gloo sums by buffer size] in test_dropin.py).
+
+``python tests/fuzz_scenarios.py FIRST LAST`` runs seeds FIRST..LAST-1 and
+prints each one that differs with its configuration."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_rs
+
+WIDTHS = (5, 7, 8, 12, 13, 16, 17, 33)
+POLICIES = {
+    "none": {},
+    "bf16": {"param_dtype": torch.bfloat16},
+    "bf16_fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "fp32_out_bf16": {"output_dtype": torch.bfloat16},
+    "bf16_nocast": {"param_dtype": torch.bfloat16, "cast_forward_inputs": False},
+}
+
+
+class Block(nn.Module):
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        self.c = c
+        self.lin1 = nn.Linear(c["din"], c["hid"], bias=c["bias1"])
+        self.norm = nn.LayerNorm(c["hid"]) if c["norm"] else None
+        self.lin2 = nn.Linear(c["hid"], c["dout"], bias=c["bias2"])
+        self.scale = nn.Parameter(torch.randn(c["dout"]) * 0.1 + 1) if c["scale"] else None
+        self.unused = nn.Parameter(torch.randn(3, 4)) if c["unused"] else None
+        self.branch = nn.Linear(c["hid"], c["hid"]) if c["branch"] else None
+
+    def _body(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.lin1(x.to(self.lin1.weight.dtype))
+        if self.norm is not None:
+            h = self.norm(h)
+        h = torch.tanh(h)
+        if self.branch is not None and step % 2 == 0:
+            h = h + self.branch(h)
+        y = self.lin2(h.to(self.lin2.weight.dtype))
+        return y if self.scale is None else y * self.scale
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        if self.c["ckpt"] and torch.is_grad_enabled():
+            return checkpoint(self._body, x, step, use_reentrant=False)
+        return self._body(x, step)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(c) for c in cfg["blocks"])
+        self.head = nn.Linear(cfg["blocks"][-1]["dout"], 4, bias=cfg["head_bias"])
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, step)
+        return self.head(x.to(self.head.weight.dtype))
+
+
+def config(seed: int) -> dict:
+    """The run seed ``seed`` stands for (plain data: printed when it differs)."""
+    r = random.Random(seed)
+    n = r.randint(1, 4)
+    widths = [r.choice(WIDTHS) for _ in range(n + 1)]
+    blocks = [
+        {
+            "din": widths[i],
+            "dout": widths[i + 1],
+            "hid": r.choice(WIDTHS),
+            "bias1": r.random() < 0.7,
+            "bias2": r.random() < 0.5,
+            "norm": r.random() < 0.4,
+            "scale": r.random() < 0.3,
+            "unused": r.random() < 0.2,
+            "branch": r.random() < 0.25,
+            "ckpt": r.random() < 0.25,
+        }
+        for i in range(n)
+    ]
+    calls: list[list[int]] = []  # block indices, one fully_shard call each
+    i = 0
+    while i < n:
+        u = r.random()
+        if u < 0.2 and i + 1 < n:
+            calls.append([i, i + 1])
+            i += 2
+        else:
+            if u < 0.85:
+                calls.append([i])
+            i += 1  # else left to the root
+    frozen = [
+        (b, name)
+        for b, c in enumerate(blocks)
+        for name in ("lin1.weight", "lin2.bias")
+        if (name != "lin2.bias" or c["bias2"]) and r.random() < 0.15
+    ]
+    steps = r.randint(2, 4)
+    mp = r.choice(["none", "none", "bf16", "bf16_fp32", "fp32_out_bf16", "bf16_nocast"])
+    per_call = r.random() < 0.2
+    return {
+        "seed": seed,
+        "blocks": blocks,
+        "head_bias": r.random() < 0.5,
+        "calls": calls,
+        "raf": [r.choice([True, False, None]) for _ in calls],
+        "root_raf": r.choice([True, False, None]),
+        "mp": mp,
+        "call_mp": [r.choice(["none", "bf16", "bf16_fp32"]) if per_call else mp for _ in calls],
+        "offload": r.random() < 0.15,
+        "frozen": frozen,
+        "optim": r.choice(["sgd", "adamw", "adam_single"]),
+        "steps": steps,
+        "micro": [r.choice([1, 1, 2, 3]) for _ in range(steps)],
+        "nosync": [r.random() < 0.6 for _ in range(steps)],
+        "set_to_none": [r.random() < 0.7 for _ in range(steps)],
+        "eval_between": r.random() < 0.35,
+        "explicit_unshard": r.random() < 0.15,
+        # one parameter's requires_grad flipped before the second step: a frozen
+        # one unfrozen, or a trained one frozen
+        "toggle": None
+        if r.random() < 0.65
+        else r.choice(frozen)
+        if frozen and r.random() < 0.5
+        else (r.randrange(n), r.choice(["lin1.weight", "lin2.weight"])),
+        "no_reshard_after_backward": r.random() < 0.1,
+        "loss": r.choice(["sum", "mean_sq"]),
+    }
+
+
+def _optimizer(cfg: dict, params: list) -> torch.optim.Optimizer:
+    if cfg["optim"] == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if cfg["optim"] == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.Adam(params, lr=0.01, foreach=False)
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _reshard_all(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
+            module.reshard()
+
+
+def _model(cfg: dict) -> nn.Module:
+    torch.manual_seed(cfg["seed"])
+    model = Model(cfg)
+    for b, name in cfg["frozen"]:
+        model.blocks[b].get_parameter(name).requires_grad_(False)
+    return model
+
+
+def _flip(cfg: dict, model: nn.Module) -> None:
+    b, name = cfg["toggle"]
+    p = model.blocks[b].get_parameter(name)  # the registered one: unsharded or not
+    p.requires_grad_(not p.requires_grad)
+
+
+def _batch(cfg: dict, rank: int, step: int, micro: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(3, cfg["blocks"][0]["din"], generator=gen)
+
+
+def _loss(cfg: dict, out: torch.Tensor) -> torch.Tensor:
+    return out.float().sum() if cfg["loss"] == "sum" else out.float().pow(2).mean()
+
+
+def train(cfg: dict, lib: str, rank: int) -> dict:
+    """The run under ``lib`` ("torch" or "rs"): losses, each step's whole
+    gradients before the optimizer, the final whole parameters."""
+    shard = torch_fully_shard if lib == "torch" else fsdp_rs.fully_shard
+    model = _model(cfg)
+    offload = CPUOffloadPolicy(pin_memory=False) if cfg["offload"] else OffloadPolicy()
+    for call, raf, mp in zip(cfg["calls"], cfg["raf"], cfg["call_mp"], strict=True):
+        modules = [model.blocks[i] for i in call]
+        shard(
+            modules if len(modules) > 1 else modules[0],
+            reshard_after_forward=raf,
+            mp_policy=MixedPrecisionPolicy(**POLICIES[mp]),
+            offload_policy=offload,
+        )
+    shard(
+        model,
+        reshard_after_forward=cfg["root_raf"],
+        mp_policy=MixedPrecisionPolicy(**POLICIES[cfg["mp"]]),
+        offload_policy=offload,
+    )
+    if cfg["no_reshard_after_backward"]:
+        model.set_reshard_after_backward(False)
+    params = list(model.parameters())
+    optim = _optimizer(cfg, params)
+    rec: dict = {"losses": [], "grads": []}
+    for step in range(cfg["steps"]):
+        if cfg["toggle"] is not None and step == 1:
+            if lib == "torch":  # FSDP2 follows a change on the sharded parameter
+                _reshard_all(model)
+            _flip(cfg, model)
+        micro = cfg["micro"][step]
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1 or not cfg["nosync"][step])
+            if cfg["explicit_unshard"] and m == 0:
+                model.unshard()
+            loss = _loss(cfg, model(_batch(cfg, rank, step, m), step))
+            loss.backward()
+            rec["losses"].append(loss.detach().clone())
+        rec["grads"].append([_whole(p.grad) for p in params])
+        if cfg["no_reshard_after_backward"]:  # the optimizer steps the shards
+            _reshard_all(model)
+        optim.step()
+        optim.zero_grad(set_to_none=cfg["set_to_none"][step])
+        if cfg["eval_between"]:
+            with torch.no_grad():
+                x = torch.ones(2, cfg["blocks"][0]["din"])
+                rec["losses"].append(_loss(cfg, model(x, step)))
+    rec["params"] = [_whole(p) for p in params]
+    return rec
+
+
+def train_reference(cfg: dict, rank: int) -> dict:
+    """The unsharded model (fp32, no mixed precision): each synced backward's
+    gradients all-reduced and averaged, then added to what the step's earlier
+    synced backwards left, as FSDP adds reduced gradients."""
+    model = _model(cfg)
+    world_size = dist.get_world_size()
+    params = list(model.parameters())
+    optim = _optimizer(cfg, params)
+    rec: dict = {"losses": [], "grads": []}
+    reduced: list = [None] * len(params)
+    for step in range(cfg["steps"]):
+        if cfg["toggle"] is not None and step == 1:
+            _flip(cfg, model)
+        micro = cfg["micro"][step]
+        for m in range(micro):
+            loss = _loss(cfg, model(_batch(cfg, rank, step, m), step))
+            loss.backward()
+            rec["losses"].append(loss.detach().clone())
+            if m == micro - 1 or not cfg["nosync"][step]:
+                for i, p in enumerate(params):
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        g = p.grad / world_size
+                        reduced[i] = g if reduced[i] is None else reduced[i] + g
+                        p.grad = None
+        for p, g in zip(params, reduced, strict=True):
+            p.grad = g
+        rec["grads"].append([_whole(p.grad) for p in params])
+        optim.step()
+        optim.zero_grad(set_to_none=cfg["set_to_none"][step])
+        reduced = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if cfg["eval_between"]:
+            with torch.no_grad():
+                x = torch.ones(2, cfg["blocks"][0]["din"])
+                rec["losses"].append(_loss(cfg, model(x, step)))
+    rec["params"] = [_whole(p) for p in params]
+    return rec
+
+
+def first_difference(a, b, path: str = "") -> str | None:
+    """Where two records first differ (bits, dtype, shape, or a missing
+    gradient), or None."""
+    if isinstance(a, dict):
+        for key in a:
+            found = first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if a is None or b is None:
+        return None if a is b else f"{path}: {'None' if a is None else 'a tensor'} vs " + (
+            "None" if b is None else "a tensor"
+        )
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(a, b):
+        return f"{path}: max |diff| {(a.double() - b.double()).abs().max().item():.3g}"
+    return None
+
+
+def run_seed(world_size: int, rank: int, seed: int) -> dict:
+    """One seed on this rank: where fsdp-rs differs from FSDP2, and (fp32 runs)
+    where each differs from the reference; None where equal."""
+    cfg = config(seed)
+    records = {}
+    for lib in ("torch", "rs"):
+        records[lib] = train(cfg, lib, rank)
+        dist.barrier()
+    out = {"vs_torch": first_difference(records["torch"], records["rs"]), "reference": False}
+    if set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none":
+        reference = train_reference(cfg, rank)
+        out["reference"] = True
+        out["rs_vs_reference"] = first_difference(reference, records["rs"])
+        out["torch_vs_reference"] = first_difference(reference, records["torch"])
+    return out
+
+
+def run(world_size: int, rank: int, name: str) -> dict:
+    result = run_seed(world_size, rank, int(name.removeprefix("seed")))
+    dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    import functools
+    import tempfile
+    from pathlib import Path
+
+    from spawned import gloo_worker, read_ranks, spawn_scenarios
+
+    first, last = int(sys.argv[1]), int(sys.argv[2])
+    names = [f"seed{s}" for s in range(first, last)]
+    out = Path(tempfile.mkdtemp())
+    spawn_scenarios(functools.partial(gloo_worker, run=run), 2, names, out)
+    ranks = read_ranks(out, 2)
+    for name in names:
+        results = [r[name] for r in ranks]
+        if any(v for r in results for k, v in r.items() if k != "reference"):
+            print(name, results, config(int(name.removeprefix("seed"))))
+    print(f"{len(names)} seeds run")
