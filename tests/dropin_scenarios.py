@@ -983,9 +983,7 @@ def trainable_set_after_eval(
         for step in range(steps):
             freeze, unfreeze = _EVAL_FREEZE_PLAN.get(step, ([], []))
             if freeze or unfreeze:
-                unsharded_at_change.append(
-                    not isinstance(model.head.weight, DTensor)
-                )
+                unsharded_at_change.append(not isinstance(model.head.weight, DTensor))
                 if reshard_first:
                     _reshard_all(model)
                 for name, p in model.named_parameters():

@@ -313,9 +313,9 @@ def first_difference(a, b, path: str = "") -> str | None:
                 return found
         return None
     if a is None or b is None:
-        return None if a is b else f"{path}: {'None' if a is None else 'a tensor'} vs " + (
-            "None" if b is None else "a tensor"
-        )
+        if a is b:
+            return None
+        return f"{path}: None on the {'second' if a is not None else 'first'} side only"
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     if not torch.equal(a, b):
