@@ -891,14 +891,21 @@ def trainable_set_changes(world_size: int, rank: int, form: str = "fp32", steps:
     "keep" (reshard_after_forward=False), "keep_grads"
     (``zero_grad(set_to_none=False)``), "offload" (CPU offload), "accumulate"
     (two micro-steps, the first without sync), "flat" (fsdp-rs steps a
-    ``FlatOptimizer``, FSDP2 the per-parameter AdamW), "keep_storage"
+    ``FlatOptimizer``, FSDP2 the per-parameter AdamW), "flat_sgd" (the same
+    with SGD and dampened momentum, a state without a step count), "keep_storage"
     (``set_keep_unsharded_storage(True)``, where the library has it: the
     unsharded parameters' storage seen in forward, per step, is recorded)."""
     kwargs = _form_kwargs(form)
     out = {}
     for lib in LIBS:
         model = _sharded(lib, _net(), _mesh(world_size, False), **kwargs)
-        if form == "flat" and lib == "rs":
+        if form == "flat_sgd":  # momentum kept without a step count ([Note: Flat optimizer])
+            sgd = {"lr": 1e-2, "momentum": 0.9, "dampening": 0.25}
+            if lib == "rs":
+                optim = FlatOptimizer(model.parameters(), torch.optim.SGD, **sgd)
+            else:
+                optim = torch.optim.SGD(model.parameters(), **sgd)
+        elif form == "flat" and lib == "rs":
             optim = FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
         else:
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1102,6 +1109,7 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "trainable_set_offload": (trainable_set_changes, {"form": "offload"}),
     "trainable_set_accumulate": (trainable_set_changes, {"form": "accumulate"}),
     "trainable_set_flat": (trainable_set_changes, {"form": "flat"}),
+    "trainable_set_flat_sgd": (trainable_set_changes, {"form": "flat_sgd"}),
     "trainable_set_keep_storage": (trainable_set_changes, {"form": "keep_storage"}),
     "trainable_set_mid_accumulation": (trainable_set_change_mid_accumulation, {}),
     "inference_first": (inference_first, {}),

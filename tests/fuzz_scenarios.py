@@ -22,7 +22,14 @@ where a parameter gets a gradient on some ranks only; tests/test_partial_grads.p
 covers that), and the world is 2 (gloo's sums of two values do not depend on
 buffer sizes: [Note: Gloo sums by buffer size] in test_dropin.py).
 
-``python tests/fuzz_scenarios.py FIRST LAST`` runs seeds FIRST..LAST-1 and
+At W = 4 (gloo sums four values in an order that depends on the buffer's
+size) the widths are multiples of 32 and only FSDP2 is compared; there the
+mesh may be HSDP (2 x 2, micro-steps skipping the all-reduce only) and
+``reshard_after_forward`` 2. fsdp-rs may step a ``FlatOptimizer`` where FSDP2
+steps the per-parameter optimizer, and both may clip with torch's
+``clip_grad_norm_`` (its norm compared too).
+
+``python tests/fuzz_scenarios.py FIRST LAST [W]`` runs seeds FIRST..LAST-1 and
 prints each one that differs with its configuration."""
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -40,8 +48,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_rs
+from fsdp_rs.optim import FlatOptimizer
 
 WIDTHS = (5, 7, 8, 12, 13, 16, 17, 33)
+WIDTHS_W4 = (32, 64)  # bf16 shards of whole 16-byte units at W = 4
 POLICIES = {
     "none": {},
     "bf16": {"param_dtype": torch.bfloat16},
@@ -59,7 +69,7 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(c["hid"]) if c["norm"] else None
         self.lin2 = nn.Linear(c["hid"], c["dout"], bias=c["bias2"])
         self.scale = nn.Parameter(torch.randn(c["dout"]) * 0.1 + 1) if c["scale"] else None
-        self.unused = nn.Parameter(torch.randn(3, 4)) if c["unused"] else None
+        self.unused = nn.Parameter(torch.randn(c["dout"], 4)) if c["unused"] else None
         self.branch = nn.Linear(c["hid"], c["hid"]) if c["branch"] else None
 
     def _body(self, x: torch.Tensor, step: int) -> torch.Tensor:
@@ -82,7 +92,7 @@ class Model(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(c) for c in cfg["blocks"])
-        self.head = nn.Linear(cfg["blocks"][-1]["dout"], 4, bias=cfg["head_bias"])
+        self.head = nn.Linear(cfg["blocks"][-1]["dout"], cfg["head_out"], bias=cfg["head_bias"])
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         for block in self.blocks:
@@ -90,16 +100,22 @@ class Model(nn.Module):
         return self.head(x.to(self.head.weight.dtype))
 
 
-def config(seed: int) -> dict:
-    """The run seed ``seed`` stands for (plain data: printed when it differs)."""
-    r = random.Random(seed)
+def config(seed: int, world_size: int = 2) -> dict:
+    """The run seed ``seed`` stands for at ``world_size`` (plain data: printed
+    when it differs). At W = 4 the widths are multiples of 32 (every shard
+    whole 16-byte units: [Note: Gloo sums by buffer size]), and the mesh may be
+    HSDP 2 x 2, with ``reshard_after_forward=2`` on the flat mesh."""
+    r = random.Random(seed if world_size == 2 else seed * 7919 + world_size)
+    widths_of = WIDTHS if world_size == 2 else WIDTHS_W4
     n = r.randint(1, 4)
-    widths = [r.choice(WIDTHS) for _ in range(n + 1)]
+    widths = [r.choice(widths_of) for _ in range(n + 1)]
+    hsdp = world_size == 4 and r.random() < 0.4
+    rafs = [True, False, None] + ([2] if world_size == 4 and not hsdp else [])
     blocks = [
         {
             "din": widths[i],
             "dout": widths[i + 1],
-            "hid": r.choice(WIDTHS),
+            "hid": r.choice(widths_of),
             "bias1": r.random() < 0.7,
             "bias2": r.random() < 0.5,
             "norm": r.random() < 0.4,
@@ -135,8 +151,9 @@ def config(seed: int) -> dict:
         "blocks": blocks,
         "head_bias": r.random() < 0.5,
         "calls": calls,
-        "raf": [r.choice([True, False, None]) for _ in calls],
-        "root_raf": r.choice([True, False, None]),
+        "hsdp": hsdp,
+        "raf": [r.choice(rafs) for _ in calls],
+        "root_raf": r.choice(rafs),
         "mp": mp,
         "call_mp": [r.choice(["none", "bf16", "bf16_fp32"]) if per_call else mp for _ in calls],
         "offload": r.random() < 0.15,
@@ -157,15 +174,23 @@ def config(seed: int) -> dict:
         else (r.randrange(n), r.choice(["lin1.weight", "lin2.weight"])),
         "no_reshard_after_backward": r.random() < 0.1,
         "loss": r.choice(["sum", "mean_sq"]),
+    } | {  # drawn after the rest, so that earlier seeds kept their runs
+        # fsdp-rs steps a FlatOptimizer of the same class and settings
+        "flat": r.random() < 0.3,
+        "clip": r.random() < 0.3,  # torch.nn.utils.clip_grad_norm_ before the step
+        # HSDP: the micro-steps without sync skip only the all-reduce
+        "no_all_reduce": hsdp and r.random() < 0.5,
+        "head_out": 4 if world_size == 2 else widths_of[0],
     }
 
 
-def _optimizer(cfg: dict, params: list) -> torch.optim.Optimizer:
-    if cfg["optim"] == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if cfg["optim"] == "adamw":
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-    return torch.optim.Adam(params, lr=0.01, foreach=False)
+def _optimizer(cfg: dict, params: list, flat: bool = False) -> torch.optim.Optimizer:
+    cls, kwargs = {
+        "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+        "adam_single": (torch.optim.Adam, {"lr": 0.01, "foreach": False}),
+    }[cfg["optim"]]
+    return FlatOptimizer(params, cls, **kwargs) if flat else cls(params, **kwargs)
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -209,16 +234,23 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
     shard = torch_fully_shard if lib == "torch" else fsdp_rs.fully_shard
     model = _model(cfg)
     offload = CPUOffloadPolicy(pin_memory=False) if cfg["offload"] else OffloadPolicy()
+    world_size = dist.get_world_size()
+    if cfg.get("hsdp"):
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
     for call, raf, mp in zip(cfg["calls"], cfg["raf"], cfg["call_mp"], strict=True):
         modules = [model.blocks[i] for i in call]
         shard(
             modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
             reshard_after_forward=raf,
             mp_policy=MixedPrecisionPolicy(**POLICIES[mp]),
             offload_policy=offload,
         )
     shard(
         model,
+        mesh=mesh,
         reshard_after_forward=cfg["root_raf"],
         mp_policy=MixedPrecisionPolicy(**POLICIES[cfg["mp"]]),
         offload_policy=offload,
@@ -226,7 +258,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
     if cfg["no_reshard_after_backward"]:
         model.set_reshard_after_backward(False)
     params = list(model.parameters())
-    optim = _optimizer(cfg, params)
+    optim = _optimizer(cfg, params, flat=cfg.get("flat", False) and lib == "rs")
     rec: dict = {"losses": [], "grads": []}
     for step in range(cfg["steps"]):
         if cfg["toggle"] is not None and step == 1:
@@ -235,7 +267,11 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
             _flip(cfg, model)
         micro = cfg["micro"][step]
         for m in range(micro):
-            model.set_requires_gradient_sync(m == micro - 1 or not cfg["nosync"][step])
+            sync = m == micro - 1 or not cfg["nosync"][step]
+            if cfg.get("no_all_reduce"):
+                model.set_requires_all_reduce(sync)
+            else:
+                model.set_requires_gradient_sync(sync)
             if cfg["explicit_unshard"] and m == 0:
                 model.unshard()
             loss = _loss(cfg, model(_batch(cfg, rank, step, m), step))
@@ -244,6 +280,9 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
         rec["grads"].append([_whole(p.grad) for p in params])
         if cfg["no_reshard_after_backward"]:  # the optimizer steps the shards
             _reshard_all(model)
+        if cfg.get("clip"):
+            norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+            rec["losses"].append(_whole(norm))
         optim.step()
         optim.zero_grad(set_to_none=cfg["set_to_none"][step])
         if cfg["eval_between"]:
@@ -282,6 +321,8 @@ def train_reference(cfg: dict, rank: int) -> dict:
         for p, g in zip(params, reduced, strict=True):
             p.grad = g
         rec["grads"].append([_whole(p.grad) for p in params])
+        if cfg.get("clip"):
+            rec["losses"].append(torch.nn.utils.clip_grad_norm_(params, 0.5))
         optim.step()
         optim.zero_grad(set_to_none=cfg["set_to_none"][step])
         reduced = [p.grad for p in params]
@@ -326,13 +367,14 @@ def first_difference(a, b, path: str = "") -> str | None:
 def run_seed(world_size: int, rank: int, seed: int) -> dict:
     """One seed on this rank: where fsdp-rs differs from FSDP2, and (fp32 runs)
     where each differs from the reference; None where equal."""
-    cfg = config(seed)
+    cfg = config(seed, world_size)
     records = {}
     for lib in ("torch", "rs"):
         records[lib] = train(cfg, lib, rank)
         dist.barrier()
     out = {"vs_torch": first_difference(records["torch"], records["rs"]), "reference": False}
-    if set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none":
+    # gloo sums two values alike in any order; four, by buffer size
+    if world_size == 2 and set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none":
         reference = train_reference(cfg, rank)
         out["reference"] = True
         out["rs_vs_reference"] = first_difference(reference, records["rs"])
@@ -354,12 +396,13 @@ if __name__ == "__main__":
     from spawned import gloo_worker, read_ranks, spawn_scenarios
 
     first, last = int(sys.argv[1]), int(sys.argv[2])
+    world_size = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     names = [f"seed{s}" for s in range(first, last)]
     out = Path(tempfile.mkdtemp())
-    spawn_scenarios(functools.partial(gloo_worker, run=run), 2, names, out)
-    ranks = read_ranks(out, 2)
+    spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out)
+    ranks = read_ranks(out, world_size)
     for name in names:
         results = [r[name] for r in ranks]
         if any(v for r in results for k, v in r.items() if k != "reference"):
-            print(name, results, config(int(name.removeprefix("seed"))))
+            print(name, results, config(int(name.removeprefix("seed")), world_size))
     print(f"{len(names)} seeds run")

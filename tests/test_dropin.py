@@ -254,6 +254,7 @@ def _run_threaded(names: list[str], world_size: int) -> list[dict]:
         "trainable_set_offload",
         "trainable_set_accumulate",
         "trainable_set_flat",
+        "trainable_set_flat_sgd",
         "trainable_set_keep_storage",
     ],
 )

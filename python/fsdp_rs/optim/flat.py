@@ -303,10 +303,10 @@ class FlatOptimizer(torch.optim.Optimizer):
             if np.array_equal(old.state_offsets, gs.state_offsets):
                 gs.counts, gs.flat = old.counts, old.flat  # a moved buffer, or new groups
             else:  # another trainable or held set: the states move to the new layout
-                relaid.append(gs)
+                relaid.append((gs, old))
         self._groups, self._others, self._layout_key = groups, others, key
-        for gs in relaid:
-            self._import_group(gs)
+        for gs, old in relaid:
+            self._import_group(gs, old.counts)
         return list(groups.values()), others
 
     # ------------------------------------------------------------------ runs
@@ -561,10 +561,15 @@ class FlatOptimizer(torch.optim.Optimizer):
         for gs in groups:
             self._import_group(gs)
 
-    def _import_group(self, gs: _GroupState) -> None:
+    def _import_group(self, gs: _GroupState, counts: np.ndarray | None = None) -> None:
         """``_import_state`` for one group: also when its gradient layout changed
-        (another set of trainable parameters); a frozen parameter keeps its state
-        as it is."""
+        (another set of trainable parameters; ``counts``: the step counts kept
+        before); a frozen parameter keeps its state as it is.
+
+        Runs merge parameters of equal counts, and a run whose first parameter
+        has no state is stepped as torch's first step (its states made afresh),
+        so a parameter with state must never count 0: SGD keeps no ``step``, and
+        its momentum would be made again from the gradient for the whole run."""
         gs.runs, gs.signature, gs.whole_runs = [], None, False
         gs.counts[:] = 0
         sb = gs.sb
@@ -573,8 +578,11 @@ class FlatOptimizer(torch.optim.Optimizer):
             off = int(gs.state_offsets[i])
             if not st or off < 0:
                 continue
-            step = st.get("step", 0)
-            gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
+            step = st.get("step")
+            if step is not None:
+                gs.counts[i] = int(step.item() if torch.is_tensor(step) else step)
+            else:  # no step count in torch's state: at least one, as it has one
+                gs.counts[i] = max(1, 0 if counts is None else int(counts[i]))
             n = sb.numels[i]
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0:
