@@ -1,7 +1,8 @@
 """fsdp-rs against torch FSDP2 on seeded random models and training loops
-(``fuzz_scenarios``), W = 2 on gloo: bit for bit, and in fp32 runs equal to
-the unsharded model with all-reduced gradients. ``FSDP_RS_FUZZ_SEEDS=a:b``
-runs seeds a..b-1 instead of the default set."""
+(``fuzz_scenarios``) on gloo: bit for bit, and in fp32 runs at W = 2 equal to
+the unsharded model with all-reduced gradients. 64 seeds at W = 2 and 16 at
+W = 4 (HSDP, ``reshard_after_forward=2``); ``FSDP_RS_FUZZ_SEEDS=a:b`` runs
+seeds a..b-1 at both instead."""
 
 from __future__ import annotations
 
@@ -16,25 +17,40 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_scenarios import config, run
 from spawned import gloo_worker, read_ranks, spawn_scenarios
 
-_first, _last = map(int, os.environ.get("FSDP_RS_FUZZ_SEEDS", "0:64").split(":"))
-SEEDS = list(range(_first, _last))
+_SEEDS = os.environ.get("FSDP_RS_FUZZ_SEEDS")
+SEEDS = {2: range(64), 4: range(16)}
+if _SEEDS:
+    _first, _last = map(int, _SEEDS.split(":"))
+    SEEDS = {w: range(_first, _last) for w in SEEDS}
+CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fuzz")
-    names = [f"seed{s}" for s in SEEDS]
-    spawn_scenarios(functools.partial(gloo_worker, run=run), 2, names, out, timeout_s=1200)
-    return read_ranks(out, 2)
+    """Per world size, each rank's results, spawned once (at the first test of
+    that world size)."""
+    done: dict[int, list[dict]] = {}
+
+    def of(world_size: int) -> list[dict]:
+        if world_size not in done:
+            out = tmp_path_factory.mktemp(f"fuzz_w{world_size}")
+            names = [f"seed{s}" for s in SEEDS[world_size]]
+            worker = functools.partial(gloo_worker, run=run)
+            spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
+            done[world_size] = read_ranks(out, world_size)
+        return done[world_size]
+
+    return of
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_training_matches_fsdp2(results, seed):
-    for rank, per_rank in enumerate(results):
+@pytest.mark.parametrize(("world_size", "seed"), CASES, ids=[f"W{w}-seed{s}" for w, s in CASES])
+def test_random_training_matches_fsdp2(results, world_size, seed):
+    for rank, per_rank in enumerate(results(world_size)):
         r = per_rank[f"seed{seed}"]
         assert "error" not in r, r.get("error")
-        assert r["vs_torch"] is None, f"rank {rank}: {r['vs_torch']}; {config(seed)}"
+        where = f"rank {rank} of {world_size}"
+        assert r["vs_torch"] is None, f"{where}: {r['vs_torch']}; {config(seed, world_size)}"
         if r["reference"]:
             assert r["rs_vs_reference"] is None, (
-                f"rank {rank}, unsharded reference: {r['rs_vs_reference']}; {config(seed)}"
+                f"{where}, unsharded reference: {r['rs_vs_reference']}; {config(seed, world_size)}"
             )
