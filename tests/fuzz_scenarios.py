@@ -17,10 +17,14 @@ asks); a ``requires_grad`` flipped through the registered parameter before the
 second step ([Note: Trainable set changes]: FSDP2 follows a change on the
 sharded parameter, so its run reshards first).
 
-Every rank uses every parameter alike (FSDP2 differs from unsharded training
-where a parameter gets a gradient on some ranks only; tests/test_partial_grads.py
-covers that), and the world is 2 (gloo's sums of two values do not depend on
-buffer sizes: [Note: Gloo sums by buffer size] in test_dropin.py).
+A seed may also run the branches on alternate ranks, so that their parameters
+get a gradient on some ranks only ([Note: Gradient agreement]): both libraries
+then reduce unused parameters' zeros (``set_reduce_scatter_unused_params``,
+without which FSDP2's ranks issue reduce-scatters of different sizes), and
+under mixed precision, where FSDP2's reduction of those zeros fails, fsdp-rs
+runs alone (against the reference where fp32). The reference runs at W = 2
+only: gloo's sums of two values do not depend on buffer sizes ([Note: Gloo sums
+by buffer size] in test_dropin.py).
 
 At W = 4 (gloo sums four values in an order that depends on the buffer's
 size) the widths are multiples of 32 and only FSDP2 is compared; there the
@@ -181,6 +185,9 @@ def config(seed: int, world_size: int = 2) -> dict:
         # HSDP: the micro-steps without sync skip only the all-reduce
         "no_all_reduce": hsdp and r.random() < 0.5,
         "head_out": 4 if world_size == 2 else widths_of[0],
+        # the branches run on alternate ranks: their parameters get a gradient on
+        # some ranks only ([Note: Gradient agreement])
+        "rank_branch": r.random() < 0.25,
     }
 
 
@@ -217,6 +224,11 @@ def _flip(cfg: dict, model: nn.Module) -> None:
     b, name = cfg["toggle"]
     p = model.blocks[b].get_parameter(name)  # the registered one: unsharded or not
     p.requires_grad_(not p.requires_grad)
+
+
+def _phase(cfg: dict, rank: int, step: int) -> int:
+    """What decides whether the branches run (on even phases)."""
+    return step + rank if cfg["rank_branch"] else step
 
 
 def _batch(cfg: dict, rank: int, step: int, micro: int) -> torch.Tensor:
@@ -257,6 +269,13 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
     )
     if cfg["no_reshard_after_backward"]:
         model.set_reshard_after_backward(False)
+    if cfg["rank_branch"]:
+        # FSDP2 reduce-scatters the gradients each rank holds, so the ranks'
+        # collectives would differ; with this it reduces zeros for the others
+        # (fsdp-rs agrees on them anyway: [Note: Gradient agreement])
+        for module in model.modules():
+            if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
+                module.set_reduce_scatter_unused_params(True)
     params = list(model.parameters())
     optim = _optimizer(cfg, params, flat=cfg.get("flat", False) and lib == "rs")
     rec: dict = {"losses": [], "grads": []}
@@ -274,7 +293,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
                 model.set_requires_gradient_sync(sync)
             if cfg["explicit_unshard"] and m == 0:
                 model.unshard()
-            loss = _loss(cfg, model(_batch(cfg, rank, step, m), step))
+            loss = _loss(cfg, model(_batch(cfg, rank, step, m), _phase(cfg, rank, step)))
             loss.backward()
             rec["losses"].append(loss.detach().clone())
         rec["grads"].append([_whole(p.grad) for p in params])
@@ -308,14 +327,21 @@ def train_reference(cfg: dict, rank: int) -> dict:
             _flip(cfg, model)
         micro = cfg["micro"][step]
         for m in range(micro):
-            loss = _loss(cfg, model(_batch(cfg, rank, step, m), step))
+            loss = _loss(cfg, model(_batch(cfg, rank, step, m), _phase(cfg, rank, step)))
             loss.backward()
             rec["losses"].append(loss.detach().clone())
             if m == micro - 1 or not cfg["nosync"][step]:
-                for i, p in enumerate(params):
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        g = p.grad / world_size
+                # a gradient some rank had counts as zeros on the others; with
+                # set_reduce_scatter_unused_params every trained parameter has one
+                unused = cfg["rank_branch"]
+                had = [p.grad is not None or (unused and p.requires_grad) for p in params]
+                had = torch.tensor(had, dtype=torch.uint8)
+                dist.all_reduce(had, op=dist.ReduceOp.MAX)
+                for i, (p, some) in enumerate(zip(params, had.tolist(), strict=True)):
+                    if some:
+                        g = torch.zeros_like(p) if p.grad is None else p.grad
+                        dist.all_reduce(g)
+                        g = g / world_size
                         reduced[i] = g if reduced[i] is None else reduced[i] + g
                         p.grad = None
         for p, g in zip(params, reduced, strict=True):
@@ -366,19 +392,25 @@ def run_seed(world_size: int, rank: int, seed: int) -> dict:
     """One seed on this rank: where fsdp-rs differs from FSDP2, and (fp32 runs)
     where each differs from the reference; None where equal."""
     cfg = config(seed, world_size)
+    fp32 = set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none"
+    # FSDP2's reduction of unused parameters' zeros fails under mixed precision
+    # ("expects uniform gradient dtype"): there fsdp-rs meets the reference only
+    libs = ("rs",) if cfg["rank_branch"] and not fp32 else ("torch", "rs")
     records = {}
-    for lib in ("torch", "rs"):
+    for lib in libs:
         records[lib] = train(cfg, lib, rank)
         dist.barrier()
-    out = {"vs_torch": first_difference(records["torch"], records["rs"]), "reference": False}
+    out = {"vs_torch": None, "reference": False}
+    if "torch" in records:
+        out["vs_torch"] = first_difference(records["torch"], records["rs"])
     # gloo sums two values alike in any order, four by buffer size; a clipped
     # norm is summed over shards, not over the whole gradients
-    fp32 = set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none"
     if world_size == 2 and fp32 and not cfg["clip"]:
         reference = train_reference(cfg, rank)
         out["reference"] = True
         out["rs_vs_reference"] = first_difference(reference, records["rs"])
-        out["torch_vs_reference"] = first_difference(reference, records["torch"])
+        if "torch" in records:
+            out["torch_vs_reference"] = first_difference(reference, records["torch"])
     return out
 
 
