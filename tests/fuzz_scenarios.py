@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_state as _torch_fsdp_state
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -56,6 +57,8 @@ from fsdp_rs.optim import FlatOptimizer
 
 WIDTHS = (5, 7, 8, 12, 13, 16, 17, 33)
 WIDTHS_W4 = (32, 64)  # bf16 shards of whole 16-byte units at W = 4
+# FSDP2 casts each module's output of a call over several modules to output_dtype
+_CASTS_EVERY_OUTPUT = hasattr(_torch_fsdp_state.FSDPState, "_cast_output_dtype")
 POLICIES = {
     "none": {},
     "bf16": {"param_dtype": torch.bfloat16},
@@ -395,7 +398,17 @@ def run_seed(world_size: int, rank: int, seed: int) -> dict:
     fp32 = set(cfg["call_mp"]) == {"none"} and cfg["mp"] == "none"
     # FSDP2's reduction of unused parameters' zeros fails under mixed precision
     # ("expects uniform gradient dtype"): there fsdp-rs meets the reference only
-    libs = ("rs",) if cfg["rank_branch"] and not fp32 else ("torch", "rs")
+    # (and older torch, 2.9, has no set_reduce_scatter_unused_params)
+    alone = cfg["rank_branch"] and (
+        not fp32 or not hasattr(TorchFSDPModule, "set_reduce_scatter_unused_params")
+    )
+    # torch 2.9's FSDP2 casts to output_dtype the output of a call's last module
+    # only; later ones (and fsdp-rs) cast every module's output
+    multi_output_cast = (
+        any(len(call) > 1 for call in cfg["calls"]) and "fp32_out_bf16" in (cfg["call_mp"])
+    )
+    alone = alone or (multi_output_cast and not _CASTS_EVERY_OUTPUT)
+    libs = ("rs",) if alone else ("torch", "rs")
     records = {}
     for lib in libs:
         records[lib] = train(cfg, lib, rank)

@@ -29,15 +29,20 @@ CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 def results(tmp_path_factory):
     """Per world size, each rank's results, spawned once (at the first test of
     that world size)."""
-    done: dict[int, list[dict]] = {}
+    done: dict[int, list[dict] | Exception] = {}
 
     def of(world_size: int) -> list[dict]:
         if world_size not in done:
             out = tmp_path_factory.mktemp(f"fuzz_w{world_size}")
             names = [f"seed{s}" for s in SEEDS[world_size]]
             worker = functools.partial(gloo_worker, run=run)
-            spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
-            done[world_size] = read_ranks(out, world_size)
+            try:
+                spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
+                done[world_size] = read_ranks(out, world_size)
+            except Exception as e:  # once, not again for every seed
+                done[world_size] = e
+        if isinstance(done[world_size], Exception):
+            raise done[world_size]
         return done[world_size]
 
     return of
