@@ -243,6 +243,14 @@ def _loss(cfg: dict, out: torch.Tensor) -> torch.Tensor:
     return out.float().sum() if cfg["loss"] == "sum" else out.float().pow(2).mean()
 
 
+def _evaluate(cfg: dict, model: nn.Module, step: int, rec: dict) -> None:
+    """The evaluation forward under ``no_grad`` after a step, where drawn."""
+    if cfg["eval_between"]:
+        with torch.no_grad():
+            x = torch.ones(2, cfg["blocks"][0]["din"])
+            rec["losses"].append(_loss(cfg, model(x, step)))
+
+
 def train(cfg: dict, lib: str, rank: int) -> dict:
     """The run under ``lib`` ("torch" or "rs"): losses, each step's whole
     gradients before the optimizer, the final whole parameters."""
@@ -307,10 +315,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
             rec["losses"].append(_whole(norm))
         optim.step()
         optim.zero_grad(set_to_none=cfg["set_to_none"][step])
-        if cfg["eval_between"]:
-            with torch.no_grad():
-                x = torch.ones(2, cfg["blocks"][0]["din"])
-                rec["losses"].append(_loss(cfg, model(x, step)))
+        _evaluate(cfg, model, step, rec)
     rec["params"] = [_whole(p) for p in params]
     return rec
 
@@ -355,10 +360,7 @@ def train_reference(cfg: dict, rank: int) -> dict:
         reduced = [p.grad for p in params]
         for p in params:
             p.grad = None
-        if cfg["eval_between"]:
-            with torch.no_grad():
-                x = torch.ones(2, cfg["blocks"][0]["din"])
-                rec["losses"].append(_loss(cfg, model(x, step)))
+        _evaluate(cfg, model, step, rec)
     rec["params"] = [_whole(p) for p in params]
     return rec
 

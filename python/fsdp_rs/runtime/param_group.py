@@ -504,23 +504,29 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         if now == self.requires_grad:
             return False
         if self.state is not ShardedState.SHARDED and self.forward_graph:
-            i = list(map(operator.ne, now, self.requires_grad)).index(True)
-            raise RuntimeError(
-                f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} "
+            raise self._change_refused(
+                now,
                 "while its unsharded parameters are held by the autograd graph of a "
                 "forward whose backward has not run; change requires_grad after that "
                 "backward, run forwards you do not backward under torch.no_grad(), or "
-                "call reshard() on the module first"
+                "call reshard() on the module first",
             )
         if self.holds_unreduced_grads():
-            i = list(map(operator.ne, now, self.requires_grad)).index(True)
-            raise RuntimeError(
-                f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} "
+            raise self._change_refused(
+                now,
                 "while this group holds gradients of backwards without sync (or not yet "
                 "reduced); change requires_grad after the synced backward (or call "
-                "reset_iter_state() to drop those gradients)"
+                "reset_iter_state() to drop those gradients)",
             )
         return True
+
+    def _change_refused(self, now: list[bool], why: str) -> RuntimeError:
+        """The error for a trainable-set change that cannot be followed: names the
+        first parameter changed, then ``why`` and the fix."""
+        i = list(map(operator.ne, now, self.requires_grad)).index(True)
+        return RuntimeError(
+            f"fsdp_rs: requires_grad of {self.managed.fqns[i]} changed to {now[i]} {why}"
+        )
 
     def grad_layout_of(self, index: list[int]):
         """The layout the gradients of the parameters at ``index`` (the
