@@ -39,6 +39,25 @@ XFAIL: dict[str, tuple[tuple[str, ...], str, bool]] = {
         _GLOO_CHUNKS,
         False,
     ),
+    # On some CI machines' CPUs (2026-11-28: losses equal, final parameters not;
+    # the landed a8aa5fc fails them there too, and passed on the machine it
+    # landed on): the MLP's rows (widths 16, 33, 7, 13, 5) have odd numels
+    **{
+        f"tests/test_fully_shard.py::test_training_parity[W4-{name}]": (
+            ("2.15",),
+            _GLOO_CHUNKS,
+            False,
+        )
+        for name in (
+            "mlp",
+            "mlp_no_reshard",
+            "mlp_reshard_int",
+            "mlp_cpu_offload",
+            "mlp_explicit_prefetch",
+            "mlp_streams",
+            "mlp_reshard_int_streams",
+        )
+    },
 }
 
 # test file -> (torch version prefixes, reason): not collected there
