@@ -36,6 +36,7 @@ from scenario_common import (
     CountingReduceScatter,
     _inputs,
     _mesh,
+    reshard_all,
 )
 from spawned import run_named
 
@@ -960,12 +961,6 @@ _EVAL_FREEZE_PLAN = {
 }
 
 
-def _reshard_all(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
-            module.reshard()
-
-
 def trainable_set_after_eval(
     world_size: int, rank: int, keep: bool = False, steps: int = 6
 ) -> dict:
@@ -992,7 +987,7 @@ def trainable_set_after_eval(
             if freeze or unfreeze:
                 unsharded_at_change.append(not isinstance(model.head.weight, DTensor))
                 if reshard_first:
-                    _reshard_all(model)
+                    reshard_all(model)
                 for name, p in model.named_parameters():
                     if any(name.startswith(f) for f in freeze):
                         p.requires_grad_(False)
@@ -1006,7 +1001,7 @@ def trainable_set_after_eval(
             optim.zero_grad()
             with torch.no_grad():
                 evaluated.append(_loss(model, _inputs(rank, step, 7)).item())
-        _reshard_all(model)
+        reshard_all(model)
         out[key] = {
             "losses": losses,
             "had": had,

@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_rs
 from fsdp_rs.optim import FlatOptimizer
+from scenario_common import reshard_all
 
 WIDTHS = (5, 7, 8, 12, 13, 16, 17, 33)
 WIDTHS_W4 = (32, 64)  # bf16 shards of whole 16-byte units at W = 4
@@ -209,12 +210,6 @@ def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _reshard_all(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
-            module.reshard()
-
-
 def _model(cfg: dict) -> nn.Module:
     torch.manual_seed(cfg["seed"])
     model = Model(cfg)
@@ -293,7 +288,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
     for step in range(cfg["steps"]):
         if cfg["toggle"] is not None and step == 1:
             if lib == "torch":  # FSDP2 follows a change on the sharded parameter
-                _reshard_all(model)
+                reshard_all(model)
             _flip(cfg, model)
         micro = cfg["micro"][step]
         for m in range(micro):
@@ -309,7 +304,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
             rec["losses"].append(loss.detach().clone())
         rec["grads"].append([_whole(p.grad) for p in params])
         if cfg["no_reshard_after_backward"]:  # the optimizer steps the shards
-            _reshard_all(model)
+            reshard_all(model)
         if cfg.get("clip"):
             norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
             rec["losses"].append(_whole(norm))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -54,6 +55,13 @@ class CountingReduceScatter(ReduceScatter):
         return dist.reduce_scatter_tensor(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
+
+
+def reshard_all(model: torch.nn.Module) -> None:
+    """``reshard()`` on every fully_shard module of ``model``, either library's."""
+    for module in model.modules():
+        if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
+            module.reshard()
 
 
 def _inputs(rank: int, step: int, micro: int = 0) -> torch.Tensor:

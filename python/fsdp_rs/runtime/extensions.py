@@ -268,11 +268,7 @@ class ExtensionParamGroup(FSDPParamGroup):
 
     @outside_functorch
     def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
-        if self._pending_unshard is not None:
-            return
-        if self.state is not ShardedState.SHARDED and self.trainable_set_changed():
-            self.reshard()  # [Note: Trainable set changes] made again from the shards
-        if self.state == ShardedState.UNSHARDED:
+        if not self._unshard_needed():
             return
         if self.trainable_set_changed():  # [Note: Trainable set changes]
             self._reset_unsharded()  # the first wait after it reads requires_grad again
@@ -386,8 +382,7 @@ class ExtensionParamGroup(FSDPParamGroup):
             self.wait_for_unshard()
         if self.state != ShardedState.UNSHARDED:
             return
-        if not (after_forward or self.forward_graph) and torch._C._current_graph_task_id() == -1:
-            self.requires_grad_now()  # [Note: Trainable set changes] kept past the swap
+        self._keep_user_flags(after_forward)
         if not self.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
             for t in itertools.chain(*self._outputs, *self._inner):
                 _free(t)

@@ -322,7 +322,7 @@ class FSDPState:
             order.append(self)
         group.unshard(side_streams=True)
         group.wait_for_unshard(defer_release=True)
-        if grad and not group.forward_graph:  # [Note: Trainable set changes]
+        if grad:  # [Note: Trainable set changes]
             group.forward_graph = True
         for other in self.forward_prefetch:
             if other.group is not None:

@@ -142,17 +142,30 @@ class Unsharding:
         """An unshard was started and its copy-out not yet run."""
         return self._pending_unshard is not None
 
+    def _unshard_needed(self) -> bool:
+        """Whether an unshard has work: none in flight and not UNSHARDED, after a
+        group whose trainable set changed while it was not SHARDED went back to
+        SHARDED, to be made again from the shards ([Note: Trainable set changes])."""
+        if self._pending_unshard is not None:
+            return False
+        if self.state is not ShardedState.SHARDED and self.trainable_set_changed():
+            self.reshard()
+        return self.state != ShardedState.UNSHARDED
+
+    def _keep_user_flags(self, after_forward: bool) -> None:
+        """At a reshard from UNSHARDED: a ``requires_grad`` the user set on the
+        registered (unsharded) parameters goes to the sharded ones before the swap,
+        where no forward's graph holds them ([Note: Trainable set changes])."""
+        if not (after_forward or self.forward_graph) and torch._C._current_graph_task_id() == -1:
+            self.requires_grad_now()
+
     @outside_functorch
     def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
         """Start the all-gather (copy-in where a cast is needed, then the
         collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
         unsharded or already started. ``side_streams``: called by a hook, run on
         the all-gather streams (see [Note: Streams])."""
-        if self._pending_unshard is not None:
-            return
-        if self.state is not ShardedState.SHARDED and self.trainable_set_changed():
-            self.reshard()  # [Note: Trainable set changes] made again from the shards
-        if self.state == ShardedState.UNSHARDED:
+        if not self._unshard_needed():
             return
         if self.unsharded_params is None or self.trainable_set_changed():
             with torch.inference_mode(False):  # [Note: Made outside inference mode]
@@ -308,8 +321,7 @@ class Unsharding:
             self._post_forward_event = self.streams.record()
             self.streams.release_after((ag,), self._post_forward_event, defer=True)
         self._ag_rows = None
-        if not (after_forward or self.forward_graph) and torch._C._current_graph_task_id() == -1:
-            self.requires_grad_now()  # [Note: Trainable set changes] kept past the swap
+        self._keep_user_flags(after_forward)
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
         self.managed.swap(self.sharded_params)
