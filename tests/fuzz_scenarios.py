@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -238,7 +239,7 @@ def _loss(cfg: dict, out: torch.Tensor) -> torch.Tensor:
     return out.float().sum() if cfg["loss"] == "sum" else out.float().pow(2).mean()
 
 
-def _evaluate(cfg: dict, model: nn.Module, step: int, rec: dict) -> None:
+def _evaluate(cfg: dict, model: Callable, step: int, rec: dict) -> None:
     """The evaluation forward under ``no_grad`` after a step, where drawn."""
     if cfg["eval_between"]:
         with torch.no_grad():
@@ -246,9 +247,11 @@ def _evaluate(cfg: dict, model: nn.Module, step: int, rec: dict) -> None:
             rec["losses"].append(_loss(cfg, model(x, step)))
 
 
-def train(cfg: dict, lib: str, rank: int) -> dict:
+def train(cfg: dict, lib: str, rank: int, compiled: Callable | None = None) -> dict:
     """The run under ``lib`` ("torch" or "rs"): losses, each step's whole
-    gradients before the optimizer, the final whole parameters."""
+    gradients before the optimizer, the final whole parameters. ``compiled``,
+    given the sharded model, returns what the loop calls in its place
+    (``fuzz_compile_scenarios``)."""
     shard = torch_fully_shard if lib == "torch" else fsdp_rs.fully_shard
     model = _model(cfg)
     offload = CPUOffloadPolicy(pin_memory=False) if cfg["offload"] else OffloadPolicy()
@@ -282,6 +285,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
         for module in model.modules():
             if isinstance(module, fsdp_rs.FSDPModule | TorchFSDPModule):
                 module.set_reduce_scatter_unused_params(True)
+    run = model if compiled is None else compiled(model)
     params = list(model.parameters())
     optim = _optimizer(cfg, params, flat=cfg.get("flat", False) and lib == "rs")
     rec: dict = {"losses": [], "grads": []}
@@ -299,7 +303,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
                 model.set_requires_gradient_sync(sync)
             if cfg["explicit_unshard"] and m == 0:
                 model.unshard()
-            loss = _loss(cfg, model(_batch(cfg, rank, step, m), _phase(cfg, rank, step)))
+            loss = _loss(cfg, run(_batch(cfg, rank, step, m), _phase(cfg, rank, step)))
             loss.backward()
             rec["losses"].append(loss.detach().clone())
         rec["grads"].append([_whole(p.grad) for p in params])
@@ -310,7 +314,7 @@ def train(cfg: dict, lib: str, rank: int) -> dict:
             rec["losses"].append(_whole(norm))
         optim.step()
         optim.zero_grad(set_to_none=cfg["set_to_none"][step])
-        _evaluate(cfg, model, step, rec)
+        _evaluate(cfg, run, step, rec)
     rec["params"] = [_whole(p) for p in params]
     return rec
 

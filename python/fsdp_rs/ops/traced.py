@@ -23,8 +23,12 @@ place, as every rank must join the collective, and gives its shard no
 gradient. One buffer cut into views would not do: the cut's backward fills
 unused pieces with zeros. Whether a parameter was used is then a fact of this
 rank's graph; ranks whose graphs differ would drop one rank's gradient from
-another's shard, so where a gradient is missing the backward also all-reduces
-the used-mask and asserts that every rank's is the same. The local tensors come
+another's shard. So every backward of a group that reduces across ranks also
+all-reduces its used-mask, on every rank whether or not this rank's graph left
+a gradient missing (a rank that checked alone would wait in a collective the
+others never issue), and every rank raises where the ranks' masks differ (the
+maximum and the minimum in one all-reduce). That costs one all-reduce of a few
+bytes per group per backward. The local tensors come
 from the parameters through a ``to_local`` that keeps a missing gradient
 missing ([Note: The local tensors' missing gradients]).
 
@@ -217,7 +221,7 @@ class Reduction:
         if self.replicate_group_name:  # HSDP: summed across the replicas as in eager
             output = functional.all_reduce(output, self.all_reduce_op, self.replicate_group_name)
             output = functional.wait_tensor(output)
-        if not all(used) and self.reduce_groups:
+        if self.reduce_groups:
             _check_used(used, self)
         dtype = self.layouts[0][2] if self.layouts else self.reduce_dtype
         if output.device != self.shard_device:  # CPU offload: post-reduced on the host
@@ -289,17 +293,18 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
 
 
 def _check_used(used: list[bool], reduction: Reduction) -> None:
-    """Every rank left the same parameters without a gradient, or this rank
+    """Every rank left the same parameters without a gradient, or every rank
     stops with an error: a gradient kept by one rank only would be dropped from
     the shards of the ranks that have none ([Note: Unused parameters under
-    trace])."""
+    trace]). Run on every rank at every backward, as the all-reduce is."""
     functional = torch.ops._c10d_functional
     mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
-    anyone = mine
+    extremes = torch.cat([mine, -mine])  # max(used), -min(used)
     for name in reduction.reduce_groups:
-        anyone = functional.wait_tensor(functional.all_reduce(anyone, "max", name))
+        extremes = functional.wait_tensor(functional.all_reduce(extremes, "max", name))
+    n = len(used)
     torch._assert_async(
-        (anyone == mine).all(),
+        (extremes[:n] == -extremes[n:]).all(),
         "fsdp_rs: a parameter got a gradient on some ranks and none on others under "
         "torch.compile with traced hooks (the ranks' graphs differ); make every rank "
         "use the same parameters, or compile without set_fullgraph_compile()",

@@ -215,6 +215,8 @@ _REASONS = {
     "requires_grad": "a parameter's requires_grad changed since set_fullgraph_compile(): call it "
     "again",
     "no_sync": "gradient sync is off (set_requires_gradient_sync(False))",
+    "unreduced": "a group holds gradients of backwards without sync or without the all-reduce "
+    "across replicas, which its next reduction must include",
     "comm": "a group has an all-reduce hook, custom comms or a separate reduce-scatter group",
     "unsharded": "a group was unsharded by hand (module.unshard()) and not resharded",
     "replanned": "a group was re-planned (model.to(dtype)) since set_fullgraph_compile(): "
@@ -287,6 +289,8 @@ def _why_not_groups(per_state) -> str | None:
                 return "no_sync"
             if group.info.replicate_group is not None and not group.all_reduce_grads:
                 return "no_all_reduce"
+            if group.holds_unreduced_grads():  # the eager reduction sums them in
+                return "unreduced"
             if (
                 group.all_reduce_hook is not None
                 or group.all_gather_comm is not None
