@@ -35,7 +35,13 @@ STEPS = 5
 # ``frozen``: the blocks' matrices frozen, their biases and norms trained;
 # ``gathered``: the blocks' matrices all-gathered in bf16 by an all-gather
 # extension (``extension_scenarios.Bf16Gathered``; their graphs are listed by
-# ``test_extensions.py``). The
+# ``test_extensions.py``); ``nosync``: with ``accumulate``, the first backward
+# of each step without gradient sync ("sync") or, with ``hsdp``, without the
+# all-reduce across replicas ("all_reduce"): the hooks run eager there and at
+# the synced backward that sums those gradients in, so this compiles with
+# ``fullgraph=False`` (a graph break at each); ``rank_used``: the root's
+# spare parameter used on rank 0 only, which the traced backward
+# refuses on every rank ([Note: Unused parameters under trace]). The
 # rest as in compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
@@ -50,6 +56,8 @@ FULLGRAPH_BASE = {
     "multi": False,
     "frozen": False,
     "gathered": False,
+    "nosync": None,
+    "rank_used": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -68,6 +76,17 @@ _CONFIGS = {
         "accumulate": True,
     },
     "eager_bf16_raf": {"backend": "eager", "bf16": True},
+    "aot_eager_accumulate_nosync": {
+        "backend": "aot_eager",
+        "accumulate": True,
+        "nosync": "sync",
+    },
+    "aot_eager_hsdp_accumulate_noallreduce": {
+        "backend": "aot_eager",
+        "hsdp": True,
+        "accumulate": True,
+        "nosync": "all_reduce",
+    },
     # ``spare``: a parameter in the root's group and one in a block's that the
     # forward never uses: no gradient for them, as in eager
     "aot_eager_spare": {"backend": "aot_eager", "spare": True},
@@ -103,6 +122,8 @@ _CONFIGS = {
     "inductor_raf": {"backend": "inductor"},
     "inductor_frozen_bf16": {"backend": "inductor", "frozen": True, "bf16": True},  # LoRA's
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
+    # last: the ranks stop in the middle of a backward
+    "aot_eager_rank_used": {"backend": "aot_eager", "rank_used": True},
 }
 SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}
 
@@ -125,10 +146,21 @@ class SpareModel(Model):
         self.blocks[0].spare = torch.nn.Parameter(torch.ones(3, 4))
 
 
+class RankUsedModel(SpareModel):
+    """The model whose spare parameter (the root's) only rank 0 uses."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        if dist.get_rank() == 0:
+            out = out + self.spare.sum()
+        return out
+
+
 def _model(spec: dict, world_size: int) -> Model:
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
 
     cls = TwiceModel if spec["twice"] else SpareModel if spec["spare"] else Model
+    cls = RankUsedModel if spec["rank_used"] else cls
     return sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size, cls)
 
 
@@ -220,7 +252,8 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     run: Any = model
     if compiled:
         model.set_fullgraph_compile()
-        options = {"backend": backend, "fullgraph": True, "dynamic": spec["dynamic"]}
+        fullgraph = spec["nosync"] is None
+        options = {"backend": backend, "fullgraph": fullgraph, "dynamic": spec["dynamic"]}
         if spec["how"] == "model":
             run = torch.compile(model, **options)
         else:
@@ -236,6 +269,10 @@ def train(spec: dict, world_size: int, rank: int, compiled: bool) -> dict:
     for step in range(STEPS):
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
             for k in range(micro):
+                if spec["nosync"] == "sync":
+                    model.set_requires_gradient_sync(k == micro - 1)
+                elif spec["nosync"] == "all_reduce":
+                    model.set_requires_all_reduce(k == micro - 1)
                 x = tokens(micro * step + k, rank).to(spec.get("device", "cpu"))
                 loss = run(x).float().pow(2).mean()
                 loss.backward()

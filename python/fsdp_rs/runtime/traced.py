@@ -62,7 +62,8 @@ the root; all-gather extensions that a tensor subclass defines ([Note:
 Extensions under trace]); frozen groups of any dtype, gathered as raw bits.
 ``set_fullgraph_compile`` refuses the rest with the group named. Flags that
 can change later and that this path does not follow (no gradient sync, the
-replicas' all-reduce off, all-reduce hooks, a custom reduce-scatter, a group
+replicas' all-reduce off, gradients held from backwards without either, which
+the eager reduction sums in, all-reduce hooks, a custom reduce-scatter, a group
 unsharded by hand, a ``requires_grad`` changed) make the hooks run eager under
 compile: a graph break with the reason, or under ``fullgraph=True`` an error
 that names it.
