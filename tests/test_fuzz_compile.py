@@ -1,8 +1,8 @@
 """torch.compile of the fuzz's seeded random runs (``fuzz_compile_scenarios``)
-at W = 2 on gloo: compiled fsdp-rs trains bit for bit as eager fsdp-rs, at
-both compile levels, or (traced hooks with branches on alternate ranks) every
-rank raises. 16 seeds; ``FSDP_RS_FUZZ_COMPILE_SEEDS=a:b`` runs seeds a..b-1
-instead."""
+on gloo: compiled fsdp-rs trains bit for bit as eager fsdp-rs, at both
+compile levels, or (traced hooks with branches on alternate ranks) every rank
+raises. 16 seeds at W = 2 and 8 at W = 4 (HSDP, ``reshard_after_forward=2``);
+``FSDP_RS_FUZZ_COMPILE_SEEDS=a:b`` runs seeds a..b-1 at both instead."""
 
 from __future__ import annotations
 
@@ -17,21 +17,38 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_compile_scenarios import config, problem, run
 from spawned import gloo_worker, read_ranks, spawn_scenarios
 
-WORLD_SIZE = 2
 _SEEDS = os.environ.get("FSDP_RS_FUZZ_COMPILE_SEEDS")
-SEEDS = range(*map(int, _SEEDS.split(":"))) if _SEEDS else range(16)
+SEEDS = {2: range(16), 4: range(8)}
+if _SEEDS:
+    SEEDS = {w: range(*map(int, _SEEDS.split(":"))) for w in SEEDS}
+CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fuzz_compile")
-    worker = functools.partial(gloo_worker, run=run)
-    spawn_scenarios(worker, WORLD_SIZE, [f"seed{s}" for s in SEEDS], out, timeout_s=1500)
-    return read_ranks(out, WORLD_SIZE)
+    """Per world size, each rank's results, spawned once (at the first test of
+    that world size)."""
+    done: dict[int, list[dict] | Exception] = {}
+
+    def of(world_size: int) -> list[dict]:
+        if world_size not in done:
+            out = tmp_path_factory.mktemp(f"fuzz_compile_w{world_size}")
+            names = [f"seed{s}" for s in SEEDS[world_size]]
+            worker = functools.partial(gloo_worker, run=run)
+            try:
+                spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
+                done[world_size] = read_ranks(out, world_size)
+            except Exception as e:  # once, not again for every seed
+                done[world_size] = e
+        if isinstance(done[world_size], Exception):
+            raise done[world_size]
+        return done[world_size]
+
+    return of
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
-def test_compiled_random_training_matches_eager(results, seed):
-    cfg = config(seed, WORLD_SIZE)
-    found = problem(cfg, [per_rank[f"seed{seed}"] for per_rank in results])
+@pytest.mark.parametrize(("world_size", "seed"), CASES, ids=[f"W{w}-seed{s}" for w, s in CASES])
+def test_compiled_random_training_matches_eager(results, world_size, seed):
+    cfg = config(seed, world_size)
+    found = problem(cfg, [per_rank[f"seed{seed}"] for per_rank in results(world_size)])
     assert found is None, f"{found}; {cfg}"
