@@ -71,7 +71,9 @@ def run_seed(world_size: int, rank: int, seed: int) -> dict:
             compiled = train(cfg, "rs", rank, compiled=_compiler(cfg))
         except Exception as e:
             torch._dynamo.reset()
-            return {"vs_eager": None, "error": f"{type(e).__name__}: {e}"[-600:]}
+            text = f"{type(e).__name__}: {e}"
+            short = text if len(text) < 900 else text[:300] + text[-600:]
+            return {"vs_eager": None, "error": short}
     torch._dynamo.reset()
     return {"vs_eager": first_difference(eager, compiled)}
 
