@@ -202,6 +202,8 @@ class Reduction:
         parameter got none) from ``grads``, one per unsharded parameter."""
         grads = [grads[i] for i in self.trained]
         used = [g is not None for g in grads]
+        # issued first, so that its wait shares the reduce-scatter's
+        check = _issue_used_check(used, self) if self.reduce_groups else None
         rs_in = torch.empty(
             (self.rows, self.row_numel), dtype=self.reduce_dtype, device=self.device
         )
@@ -221,8 +223,8 @@ class Reduction:
         if self.replicate_group_name:  # HSDP: summed across the replicas as in eager
             output = functional.all_reduce(output, self.all_reduce_op, self.replicate_group_name)
             output = functional.wait_tensor(output)
-        if self.reduce_groups:
-            _check_used(used, self)
+        if check is not None:
+            _check_used(check, len(used), self)
         dtype = self.layouts[0][2] if self.layouts else self.reduce_dtype
         if output.device != self.shard_device:  # CPU offload: post-reduced on the host
             output = output.to(self.shard_device)
@@ -292,17 +294,26 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     return (None, sharded, *([None] * 20), [None] * ctx.n_tables, None, None)
 
 
-def _check_used(used: list[bool], reduction: Reduction) -> None:
+def _issue_used_check(used: list[bool], reduction: Reduction) -> torch.Tensor:
+    """The all-reduce (over the first process group of the reduction) of this
+    rank's used-mask and its negation: their maximum and minus their minimum
+    ([Note: Unused parameters under trace]). Run on every rank at every
+    backward, as the reduction's collectives are."""
+    mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
+    extremes = torch.cat([mine, -mine])
+    return torch.ops._c10d_functional.all_reduce(extremes, "max", reduction.reduce_groups[0])
+
+
+def _check_used(issued: torch.Tensor, n: int, reduction: Reduction) -> None:
     """Every rank left the same parameters without a gradient, or every rank
     stops with an error: a gradient kept by one rank only would be dropped from
-    the shards of the ranks that have none ([Note: Unused parameters under
-    trace]). Run on every rank at every backward, as the all-reduce is."""
+    the shards of the ranks that have none. ``issued``: ``_issue_used_check``'s
+    all-reduce, then over the other process groups in turn (HSDP), so that
+    every rank compares the same extremes."""
     functional = torch.ops._c10d_functional
-    mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
-    extremes = torch.cat([mine, -mine])  # max(used), -min(used)
-    for name in reduction.reduce_groups:
+    extremes = functional.wait_tensor(issued)
+    for name in reduction.reduce_groups[1:]:
         extremes = functional.wait_tensor(functional.all_reduce(extremes, "max", name))
-    n = len(used)
     torch._assert_async(
         (extremes[:n] == -extremes[n:]).all(),
         "fsdp_rs: a parameter got a gradient on some ranks and none on others under "
