@@ -28,7 +28,8 @@ all-reduces its used-mask, on every rank whether or not this rank's graph left
 a gradient missing (a rank that checked alone would wait in a collective the
 others never issue), and every rank raises where the ranks' masks differ (the
 maximum and the minimum in one all-reduce). That costs one all-reduce of a few
-bytes per group per backward. The local tensors come
+bytes per group per backward, issued before the group's reduce-scatter and
+waited on after it, so that both share one synchronisation of the ranks. The local tensors come
 from the parameters through a ``to_local`` that keeps a missing gradient
 missing ([Note: The local tensors' missing gradients]).
 
