@@ -99,18 +99,9 @@ def problem(cfg: dict, results: list[dict]) -> str | None:
 
 
 if __name__ == "__main__":
-    import functools
-    import tempfile
-    from pathlib import Path
+    from spawned import run_seeds_cli
 
-    from spawned import gloo_worker, read_ranks, spawn_scenarios
-
-    first, last = int(sys.argv[1]), int(sys.argv[2])
-    world_size = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    names = [f"seed{s}" for s in range(first, last)]
-    out = Path(tempfile.mkdtemp())
-    spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out)
-    ranks = read_ranks(out, world_size)
+    names, ranks, world_size = run_seeds_cli(run, sys.argv)
     refused = 0
     for name in names:
         cfg = config(int(name.removeprefix("seed")), world_size)

@@ -435,18 +435,9 @@ def run(world_size: int, rank: int, name: str) -> dict:
 
 
 if __name__ == "__main__":
-    import functools
-    import tempfile
-    from pathlib import Path
+    from spawned import run_seeds_cli
 
-    from spawned import gloo_worker, read_ranks, spawn_scenarios
-
-    first, last = int(sys.argv[1]), int(sys.argv[2])
-    world_size = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    names = [f"seed{s}" for s in range(first, last)]
-    out = Path(tempfile.mkdtemp())
-    spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out)
-    ranks = read_ranks(out, world_size)
+    names, ranks, world_size = run_seeds_cli(run, sys.argv)
     for name in names:
         results = [r[name] for r in ranks]
         if any(v for r in results for k, v in r.items() if k != "reference"):

@@ -236,3 +236,40 @@ def each_rank(scenarios: dict, results: tuple, name: str):
         if isinstance(result, dict) and result.get("skipped"):
             pytest.skip(str(result["skipped"]))
         yield rank, result
+
+
+def seeds_by_world_size(tmp_path_factory, seeds: dict[int, range], run: Callable, label: str):
+    """For seeded scenario modules (the fuzzers): a function of the world size
+    that spawns ``run`` over that size's seeds once, at its first call, and
+    returns each rank's results; a failed spawn raises at every call, without
+    spawning again."""
+    done: dict[int, list[dict] | Exception] = {}
+
+    def of(world_size: int) -> list[dict]:
+        if world_size not in done:
+            out = tmp_path_factory.mktemp(f"{label}_w{world_size}")
+            names = [f"seed{s}" for s in seeds[world_size]]
+            worker = functools.partial(gloo_worker, run=run)
+            try:
+                spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
+                done[world_size] = read_ranks(out, world_size)
+            except Exception as e:  # once, not again for every seed
+                done[world_size] = e
+        if isinstance(done[world_size], Exception):
+            raise done[world_size]
+        return done[world_size]
+
+    return of
+
+
+def run_seeds_cli(run: Callable, argv: list[str]) -> tuple[list[str], list[dict], int]:
+    """``FIRST LAST [W]`` from ``argv``: seeds FIRST..LAST-1 run by ``run`` on W
+    (default 2) spawned gloo ranks; (names, each rank's results, W)."""
+    import tempfile
+
+    first, last = int(argv[1]), int(argv[2])
+    world_size = int(argv[3]) if len(argv) > 3 else 2
+    names = [f"seed{s}" for s in range(first, last)]
+    out = Path(tempfile.mkdtemp())
+    spawn_scenarios(functools.partial(gloo_worker, run=run), world_size, names, out)
+    return names, read_ranks(out, world_size), world_size

@@ -6,7 +6,6 @@ raises. 16 seeds at W = 2 and 8 at W = 4 (HSDP, ``reshard_after_forward=2``);
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_compile_scenarios import config, problem, run
-from spawned import gloo_worker, read_ranks, spawn_scenarios
+from spawned import seeds_by_world_size
 
 _SEEDS = os.environ.get("FSDP_RS_FUZZ_COMPILE_SEEDS")
 SEEDS = {2: range(16), 4: range(8)}
@@ -28,23 +27,7 @@ CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 def results(tmp_path_factory):
     """Per world size, each rank's results, spawned once (at the first test of
     that world size)."""
-    done: dict[int, list[dict] | Exception] = {}
-
-    def of(world_size: int) -> list[dict]:
-        if world_size not in done:
-            out = tmp_path_factory.mktemp(f"fuzz_compile_w{world_size}")
-            names = [f"seed{s}" for s in SEEDS[world_size]]
-            worker = functools.partial(gloo_worker, run=run)
-            try:
-                spawn_scenarios(worker, world_size, names, out, timeout_s=1500)
-                done[world_size] = read_ranks(out, world_size)
-            except Exception as e:  # once, not again for every seed
-                done[world_size] = e
-        if isinstance(done[world_size], Exception):
-            raise done[world_size]
-        return done[world_size]
-
-    return of
+    return seeds_by_world_size(tmp_path_factory, SEEDS, run, "fuzz_compile")
 
 
 @pytest.mark.parametrize(("world_size", "seed"), CASES, ids=[f"W{w}-seed{s}" for w, s in CASES])
