@@ -238,6 +238,16 @@ def each_rank(scenarios: dict, results: tuple, name: str):
         yield rank, result
 
 
+def seeds_from_env(variable: str, default: dict[int, range]) -> dict[int, range]:
+    """The seeds a fuzzer runs per world size: ``default``, or where the
+    environment variable ``variable`` reads ``a:b``, seeds a..b-1 at each."""
+    value = os.environ.get(variable)
+    if not value:
+        return default
+    first, last = map(int, value.split(":"))
+    return {w: range(first, last) for w in default}
+
+
 def seeds_by_world_size(tmp_path_factory, seeds: dict[int, range], run: Callable, label: str):
     """For seeded scenario modules (the fuzzers): a function of the world size
     that spawns ``run`` over that size's seeds once, at its first call, and

@@ -6,7 +6,6 @@ seeds a..b-1 at both instead."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,13 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_scenarios import config, run
-from spawned import seeds_by_world_size
+from spawned import seeds_by_world_size, seeds_from_env
 
-_SEEDS = os.environ.get("FSDP_RS_FUZZ_SEEDS")
-SEEDS = {2: range(64), 4: range(16)}
-if _SEEDS:
-    _first, _last = map(int, _SEEDS.split(":"))
-    SEEDS = {w: range(_first, _last) for w in SEEDS}
+SEEDS = seeds_from_env("FSDP_RS_FUZZ_SEEDS", {2: range(64), 4: range(16)})
 CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 
 

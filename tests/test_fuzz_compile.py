@@ -6,7 +6,6 @@ raises. 16 seeds at W = 2 and 8 at W = 4 (HSDP, ``reshard_after_forward=2``);
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,12 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_compile_scenarios import config, problem, run
-from spawned import seeds_by_world_size
+from spawned import seeds_by_world_size, seeds_from_env
 
-_SEEDS = os.environ.get("FSDP_RS_FUZZ_COMPILE_SEEDS")
-SEEDS = {2: range(16), 4: range(8)}
-if _SEEDS:
-    SEEDS = {w: range(*map(int, _SEEDS.split(":"))) for w in SEEDS}
+SEEDS = seeds_from_env("FSDP_RS_FUZZ_COMPILE_SEEDS", {2: range(16), 4: range(8)})
 CASES = [(w, s) for w, seeds in SEEDS.items() for s in seeds]
 
 
