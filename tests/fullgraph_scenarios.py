@@ -41,8 +41,10 @@ STEPS = 5
 # the synced backward that sums those gradients in, so this compiles with
 # ``fullgraph=False`` (a graph break at each); ``rank_used``: the root's
 # spare parameter used on rank 0 only, which the traced backward
-# refuses on every rank ([Note: Unused parameters under trace]). The
-# rest as in compile_scenarios.BASE.
+# refuses on every rank ([Note: Unused parameters under trace]); ``drops``:
+# rank 1's forward drops the last block's output, whose backward runs all the
+# same and refuses on every rank ([Note: Every group's backward on every
+# rank]). The rest as in compile_scenarios.BASE.
 FULLGRAPH_BASE = {
     **BASE,
     "how": "model",
@@ -58,6 +60,7 @@ FULLGRAPH_BASE = {
     "gathered": False,
     "nosync": None,
     "rank_used": False,
+    "drops": False,
 }
 _CONFIGS = {
     "aot_eager_raf": {"backend": "aot_eager"},
@@ -124,6 +127,9 @@ _CONFIGS = {
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
     # last: the ranks stop in the middle of a backward
     "aot_eager_rank_used": {"backend": "aot_eager", "rank_used": True},
+    # kept unsharded after forward: with resharding, the partitioner gathers
+    # the block again in the backward of rank 0 alone (README, "torch.compile")
+    "aot_eager_noraf_drops": {"backend": "aot_eager", "raf": False, "drops": True},
 }
 SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}
 
@@ -156,11 +162,25 @@ class RankUsedModel(SpareModel):
         return out
 
 
+class DropsModel(Model):
+    """The model whose last block's output only rank 0 uses."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        *first, last = self.blocks
+        x = self.embed(tokens)
+        for block in first:
+            x = block(x)
+        y = last(x)
+        if dist.get_rank() == 0:
+            x = y
+        return self.out(self.norm(x))
+
+
 def _model(spec: dict, world_size: int) -> Model:
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
 
     cls = TwiceModel if spec["twice"] else SpareModel if spec["spare"] else Model
-    cls = RankUsedModel if spec["rank_used"] else cls
+    cls = RankUsedModel if spec["rank_used"] else DropsModel if spec["drops"] else cls
     return sharded_model(spec, fully_shard, MixedPrecisionPolicy, world_size, cls)
 
 
@@ -193,6 +213,11 @@ def _from_unshard(node: torch.fx.Node) -> bool:
         name = str(node.target)
         if "unshard_copy_out" in name:
             return True
+        source = node.args[0] if node.args else None
+        if "getitem" in name and "unshard_copy_out" in str(getattr(source, "target", "")):
+            # its last output is the group's token, empty ([Note: Every
+            # group's backward on every rank]); the others, its parameters
+            return node.args[1] < len(source.args[9])
         if not any(v in name for v in _VIEWS) or not node.args:
             return False
         node = node.args[0]

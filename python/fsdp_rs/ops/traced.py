@@ -29,7 +29,11 @@ a gradient missing (a rank that checked alone would wait in a collective the
 others never issue), and every rank raises where the ranks' masks differ (the
 maximum and the minimum in one all-reduce). That costs one all-reduce of a few
 bytes per group per backward, issued before the group's reduce-scatter and
-waited on after it, so that both share one synchronisation of the ranks. The local tensors come
+waited on after it, so that both share one synchronisation of the ranks; the
+mask is made to depend on the group's token's gradient, as the reduce-scatter
+of a group without any gradient is ([Note: Every group's backward on every
+rank]): AOT autograd's partitioner would otherwise compute what depends on no
+gradient in the forward graph, at another place on each rank. The local tensors come
 from the parameters through a ``to_local`` that keeps a missing gradient
 missing ([Note: The local tensors' missing gradients]).
 
@@ -87,6 +91,7 @@ def unshard_copy_out(
     grad_tables: list[torch.Tensor],
     grad_row_numel: int,
     grad_chunk_numel: torch.Tensor | None,
+    token: torch.Tensor,
 ) -> list[torch.Tensor]:
     """The unsharded parameters of a group (shapes: ``ranks[p]`` dims each,
     back to back in ``dims``), copied out of ``all_gather_output`` (rows x row
@@ -127,7 +132,8 @@ def unshard_copy_out(
         chunk_numel,
     )
     shapes = _shapes(dims, ranks)
-    return [t[: math.prod(shape)].view(shape) for t, shape in zip(padded, shapes, strict=True)]
+    unsharded = [t[: math.prod(shape)].view(shape) for t, shape in zip(padded, shapes, strict=True)]
+    return [*unsharded, token.new_empty(0)]
 
 
 def _shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
@@ -149,7 +155,8 @@ def _check_numels(sharded: list[torch.Tensor], numels: list[int]) -> None:
 def _(all_gather_output, sharded, *rest) -> list[torch.Tensor]:
     dims, ranks, _, _, sharded_numels = rest[6:11]
     _check_numels(sharded, sharded_numels)
-    return [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
+    unsharded = [all_gather_output.new_empty(shape) for shape in _shapes(dims, ranks)]
+    return [*unsharded, rest[-1].new_empty(0)]
 
 
 def all_gather_rows(source: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
@@ -198,16 +205,23 @@ class Reduction:
         shard_group = self.group_name if self.rows > 1 else ""
         return [name for name in (shard_group, self.replicate_group_name) if name]
 
-    def __call__(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def __call__(
+        self, grads: list[torch.Tensor | None], after: torch.Tensor | None = None
+    ) -> list[torch.Tensor | None]:
         """The sharded gradients of the trained parameters (None where a
-        parameter got none) from ``grads``, one per unsharded parameter."""
+        parameter got none) from ``grads``, one per unsharded parameter;
+        ``after``: the group's token's gradient, an empty tensor that the
+        collectives are made to depend on ([Note: Every group's backward on
+        every rank]), or None."""
         grads = [grads[i] for i in self.trained]
         used = [g is not None for g in grads]
         # issued first, so that its wait shares the reduce-scatter's
-        check = _issue_used_check(used, self) if self.reduce_groups else None
-        rs_in = torch.empty(
-            (self.rows, self.row_numel), dtype=self.reduce_dtype, device=self.device
-        )
+        check = _issue_used_check(used, self, after) if self.reduce_groups else None
+        shape = (self.rows, self.row_numel)
+        if after is None or any(used):
+            rs_in = torch.empty(shape, dtype=self.reduce_dtype, device=self.device)
+        else:  # no gradient: zeros that depend on the token's gradient
+            rs_in = _zero(after).to(self.reduce_dtype).expand(shape).contiguous()
         if self.chunk_numel is not None:  # each viewed as planned: (W, numel / W)
             grads = [None if g is None else g.reshape(self.rows, -1) for g in grads]
         torch.ops.fsdp_rs.reduce_scatter_copy_in(
@@ -279,28 +293,59 @@ def reduction(
 def _setup_context(ctx, inputs, output) -> None:
     ag, sharded = inputs[:2]
     trained = set(inputs[21])
-    frozen = [out for i, out in enumerate(output) if i not in trained]
+    frozen = [out for i, out in enumerate(output[:-1]) if i not in trained]
+    if not trained:  # nothing to reduce: no backward, no token to chain
+        frozen.append(output[-1])
     if frozen:  # no gradient computed for what is not trained
         ctx.mark_non_differentiable(*frozen)
     ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
     ctx.reduction = reduction(
-        ag.shape[0], ag.device, sharded, inputs[11], *inputs[13:20], *inputs[21:]
+        ag.shape[0], ag.device, sharded, inputs[11], *inputs[13:20], *inputs[21:25]
     )
     ctx.n_tables = len(inputs[22])
+    ctx.token_device = inputs[-1].device
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
-    sharded = ctx.reduction(grads)
+    # the token's gradient, whether or not one came: the previous group's
+    # backward runs too ([Note: Every group's backward on every rank])
+    sharded = ctx.reduction(grads[:-1], grads[-1])
     # (grad_tables is a list: its gradients too)
-    return (None, sharded, *([None] * 20), [None] * ctx.n_tables, None, None)
+    return (
+        None,
+        sharded,
+        *([None] * 20),
+        [None] * ctx.n_tables,
+        None,
+        None,
+        chained(grads[-1], ctx.token_device),
+    )
 
 
-def _issue_used_check(used: list[bool], reduction: Reduction) -> torch.Tensor:
+def chained(incoming: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The gradient a group's backward gives the previous group's token,
+    whether or not its own token got one ([Note: Every group's backward on
+    every rank]): ``incoming``, or an empty tensor where the anchor's backward
+    did not run."""
+    return torch.zeros(0, device=device) if incoming is None else incoming
+
+
+def _zero(after: torch.Tensor) -> torch.Tensor:
+    """A zero scalar computed from ``after`` (empty), so that what is made
+    from it depends on it in the graph."""
+    return after.sum()
+
+
+def _issue_used_check(
+    used: list[bool], reduction: Reduction, after: torch.Tensor | None
+) -> torch.Tensor:
     """The all-reduce (over the first process group of the reduction) of this
     rank's used-mask and its negation: their maximum and minus their minimum
     ([Note: Unused parameters under trace]). Run on every rank at every
-    backward, as the reduction's collectives are."""
+    backward, as the reduction's collectives are; after ``after`` where given."""
     mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
+    if after is not None:
+        mine = mine + _zero(after).to(torch.int32)
     extremes = torch.cat([mine, -mine])
     return torch.ops._c10d_functional.all_reduce(extremes, "max", reduction.reduce_groups[0])
 

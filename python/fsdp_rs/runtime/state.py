@@ -97,6 +97,8 @@ class Context:
         # A traced forward of the root is in progress ([Note: Traced hooks]).
         self.tracing = False
         self.root_traced = False  # the root's pre-forward took the traced hooks
+        # the last traced group's token ([Note: Every group's backward on every rank])
+        self.token: torch.Tensor | None = None
 
 
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:

@@ -319,9 +319,12 @@ def _recompute_all():
     )
 
 
-def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) -> list:
-    """The group's unsharded parameters: all-gather and copy-out,
-    differentiable for ``local`` (the sharded parameters' local tensors)."""
+def _gather(
+    traced: TracedGroup, sharded: torch.Tensor, token: torch.Tensor, *local: torch.Tensor
+) -> list:
+    """The group's unsharded parameters and its token: all-gather and
+    copy-out, differentiable for ``local`` (the sharded parameters' local
+    tensors) and ``token`` (the previous group's)."""
     group = traced.group
     source = sharded
     if traced.compute_device is not None:  # CPU offload
@@ -350,22 +353,30 @@ def _gather(traced: TracedGroup, sharded: torch.Tensor, *local: torch.Tensor) ->
         traced.grad_tables,
         traced.grad_row_numel,
         traced.grad_chunk_numel,
+        token,
     )
     return list(unsharded)
 
 
-def _unshard(traced: TracedGroup) -> list[torch.Tensor]:
+def _unshard(traced: TracedGroup, context) -> list[torch.Tensor]:
     group = traced.group
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
         return registered
+    # [Note: Every group's backward on every rank] a group that trains takes
+    # the previous one's token and passes its own on
+    chained = bool(traced.trained) and context.token is not None
+    token = context.token if chained else torch.empty(0, device=group.device)
     if traced.extension_gather is not None:
         local = [local_of(p) for p in group.sharded_params]
         flags = (traced.reduce_op, traced.all_reduce_op, traced.pre_divide, traced.post_divide)
         gather = traced.extension_gather
-        return _recomputed(group, gather, *flags, *traced.grad_tables, *local)
-    local = [local_of(group.sharded_params[i]) for i in traced.trained]
-    views = _recomputed(group, _gather, traced, group.sharded, *local)
+        *views, token = _recomputed(group, gather, *flags, token, *traced.grad_tables, *local)
+    else:
+        local = [local_of(group.sharded_params[i]) for i in traced.trained]
+        *views, token = _recomputed(group, _gather, traced, group.sharded, token, *local)
+    if traced.trained:
+        context.token = token
     # DTensor parameters (TP / EP / dp_mesh_dims / spmd_types): ``unsharded_as``
     return [
         v if wrap is None else wrap(v) for v, wrap in zip(views, traced.unsharded_as, strict=True)
@@ -399,7 +410,7 @@ def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if not state.is_root:  # the root's groups: in its forward (``_root_forward``)
         for traced in state.traced_groups:
-            traced.register(_unshard(traced))
+            traced.register(_unshard(traced, context))
     return args, kwargs
 
 
@@ -431,9 +442,11 @@ def _root_forward(state, forward):
         if not torch.compiler.is_compiling() or not context.root_traced:
             return forward(*args, **kwargs)
         context.tracing = True
+        context.token = None
         for traced in state.traced_groups:
-            traced.register(_unshard(traced))
+            traced.register(_unshard(traced, context))
         output = forward(*args, **kwargs)
+        output = _anchor(output, context.token)
         _register_sharded(context)
         context.tracing = False
         return output
@@ -460,8 +473,80 @@ def _dispatch(state):
     return pre, post
 
 
+class _Anchor(torch.autograd.Function):
+    """The root's outputs passed through, with the last group's token as an
+    input ([Note: Every group's backward on every rank])."""
+
+    @staticmethod
+    def forward(ctx, token, *outputs):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.token = (token.dtype, token.device)
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        dtype, device = ctx.token
+        given = [g for g in grads if g is not None]
+        if not given:
+            return (torch.zeros(0, dtype=dtype, device=device), *grads)
+        # an empty view of an output's gradient: what the groups' backwards
+        # follow is made from it, so AOT autograd's partitioner keeps them in
+        # the backward graph
+        first = getattr(given[0], "_local_tensor", given[0])  # a DTensor's
+        first = first.reshape(1) if first.dim() == 0 else first
+        return (first[:0].reshape(0).to(dtype=dtype, device=device), *grads)
+
+
+def _anchor(output: Any, token: torch.Tensor | None) -> Any:
+    """``output`` with its tensors that require grad passed through
+    ``_Anchor``.
+
+    [Note: Every group's backward on every rank]
+    A traced group's reduction is its copy-out's backward, which autograd runs
+    only where an unsharded parameter got a gradient. A module whose output
+    reaches the loss on some ranks only (a branch taken by rank) would skip it
+    there, and the ranks' collectives would differ: gloo aborts, NCCL hangs or
+    pairs unrelated collectives of one size. So the groups that train are
+    chained in forward order by tokens (empty tensors: each copy-out takes the
+    previous group's and makes its own), and the root's outputs that require
+    grad pass through ``_Anchor``, an identity whose backward gives the last
+    token a gradient. Wherever the loss reaches the root's output, every
+    group's backward then runs on every rank, in reverse forward order
+    ([Note: Backward order]), each giving the previous token a gradient whether
+    or not its own parameters got one; a group that got none on some ranks
+    then reduces zeros there, and its used-mask check ([Note: Unused
+    parameters under trace]) stops every rank with the same error.
+
+    The anchor's backward makes the token's gradient an empty view of an
+    output's gradient, and each group's check and (without any gradient) its
+    reduce-scatter input are computed from it: AOT autograd's partitioner
+    moves what depends on no gradient into the forward graph, so a group
+    without gradients on one rank would otherwise reduce in that rank's
+    forward, out of the other ranks' order (and the checks of every group ran
+    in the forward graphs before this).
+
+    Not covered: with ``reshard_after_forward`` the partitioner gathers a group
+    again in backward only where its parameters' gradients are computed, so a
+    rank that dropped the module's output issues one all-gather fewer. AOT
+    autograd puts the anchor in the compiled graphs (its outputs are then views
+    that graph regenerates, which may be modified in place); with the
+    ``eager`` backend they stay views made by a custom autograd function, which
+    autograd forbids modifying in place (clone them first)."""
+    if token is None or not token.requires_grad:
+        return output
+    leaves, spec = torch.utils._pytree.tree_flatten(output)
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return output
+    passed = _Anchor.apply(token, *(leaves[i] for i in at))
+    for i, t in zip(at, passed, strict=True):
+        leaves[i] = t
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
 def _register_sharded(context) -> None:
     """Every group's sharded parameters registered again."""
+    context.token = None
     for state in context.states:
         for traced in state.traced_groups:
             traced.register(traced.group.sharded_params)

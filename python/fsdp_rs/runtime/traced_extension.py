@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_rs.ops.traced import all_gather_rows, reduction
+from fsdp_rs.ops.traced import all_gather_rows, chained, reduction
 from fsdp_rs.runtime.extensions import _POST, _PRE, _plain, has_extension
 
 __all__ = ["extension_gather", "untraceable"]
@@ -77,7 +77,7 @@ class _Bridge(torch.autograd.Function):
     into the trained parameters' sharded local tensors as their backward."""
 
     @staticmethod
-    def forward(ctx, reduce, count: int, *tensors):  # type: ignore[override]
+    def forward(ctx, reduce, count: int, token, *tensors):  # type: ignore[override]
         ctx.reduce, ctx.count = reduce, count
         ctx.set_materialize_grads(False)  # [Note: Unused parameters under trace]
         outs = tuple(t.view_as(t) for t in tensors[:count])
@@ -85,27 +85,30 @@ class _Bridge(torch.autograd.Function):
         frozen = [out for i, out in enumerate(outs) if i not in trained]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
-        return outs
+        # [Note: Every group's backward on every rank]
+        ctx.device = token.device
+        return (*outs, token.new_empty(0))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        sharded = ctx.reduce([_plain(g) for g in grads])
-        return (None, None, *([None] * ctx.count), *sharded)
+        sharded = ctx.reduce([_plain(g) for g in grads[:-1]], grads[-1])
+        return (None, None, chained(grads[-1], ctx.device), *([None] * ctx.count), *sharded)
 
 
 def extension_gather(traced) -> Callable:
     """The unshard of ``traced``'s extension group: a function of the
-    reduction flags, the gradient layout's tables and every parameter's local
-    tensor that returns the unsharded parameters ([Note: Extensions under
-    trace])."""
+    reduction flags, the previous group's token, the gradient layout's tables
+    and every parameter's local tensor that returns the unsharded parameters
+    and the group's token ([Note: Extensions under trace])."""
     group = traced.group
     count = len(traced.grad_tables)
     chunks = group.plan.chunk_rows.tolist()
     world = traced.world
 
-    def gather(reduce_op, all_reduce_op, pre, post, *tensors):
-        # tensors: the gradient layout's tables (graph inputs, as every tensor
-        # the graph reads must be), then every parameter's local tensor
+    def gather(reduce_op, all_reduce_op, pre, post, token, *tensors):
+        # token: the previous group's ([Note: Every group's backward on every
+        # rank]); tensors: the gradient layout's tables (graph inputs, as every
+        # tensor the graph reads must be), then every parameter's local tensor
         tables, local = tensors[:count], tensors[count:]
         with torch.no_grad():  # as the eager unshard
             per_param = [group._inputs_of(i, t, chunks[i]) for i, t in enumerate(local)]
@@ -127,7 +130,7 @@ def extension_gather(traced) -> Callable:
                     tensor, _ = extension(tuple(outputs), metadata, group.param_dtype)
                 unsharded.append(torch.as_strided(tensor, group.shapes[i], group.strides[i], 0))
         if not traced.trained:
-            return unsharded
+            return [*unsharded, token.new_empty(0)]
         reduce = reduction(
             world,
             group.device,
@@ -146,6 +149,6 @@ def extension_gather(traced) -> Callable:
             None,
         )
         trained = [local[i] for i in traced.trained]
-        return list(_Bridge.apply(reduce, len(unsharded), *unsharded, *trained))
+        return list(_Bridge.apply(reduce, len(unsharded), token, *unsharded, *trained))
 
     return torch._dynamo.allow_in_graph(gather)
