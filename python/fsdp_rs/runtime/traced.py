@@ -365,7 +365,9 @@ def _unshard(traced: TracedGroup, context) -> list[torch.Tensor]:
         return registered
     # [Note: Every group's backward on every rank] a group that trains takes
     # the previous one's token and passes its own on
-    chained = bool(traced.trained) and context.token is not None
+    # (len: torch 2.9's Dynamo cannot trace bool() of a list under dynamic shapes)
+    trains = len(traced.trained) > 0
+    chained = trains and context.token is not None
     token = context.token if chained else torch.empty(0, device=group.device)
     if traced.extension_gather is not None:
         local = [local_of(p) for p in group.sharded_params]
@@ -375,7 +377,7 @@ def _unshard(traced: TracedGroup, context) -> list[torch.Tensor]:
     else:
         local = [local_of(group.sharded_params[i]) for i in traced.trained]
         *views, token = _recomputed(group, _gather, traced, group.sharded, token, *local)
-    if traced.trained:
+    if trains:
         context.token = token
     # DTensor parameters (TP / EP / dp_mesh_dims / spmd_types): ``unsharded_as``
     return [
@@ -487,7 +489,7 @@ class _Anchor(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         dtype, device = ctx.token
         given = [g for g in grads if g is not None]
-        if not given:
+        if len(given) == 0:
             return (torch.zeros(0, dtype=dtype, device=device), *grads)
         # an empty view of an output's gradient: what the groups' backwards
         # follow is made from it, so AOT autograd's partitioner keeps them in
@@ -536,7 +538,7 @@ def _anchor(output: Any, token: torch.Tensor | None) -> Any:
         return output
     leaves, spec = torch.utils._pytree.tree_flatten(output)
     at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not at:
+    if len(at) == 0:
         return output
     passed = _Anchor.apply(token, *(leaves[i] for i in at))
     for i, t in zip(at, passed, strict=True):
