@@ -128,7 +128,7 @@ _CONFIGS = {
     # last: the ranks stop in the middle of a backward
     "aot_eager_rank_used": {"backend": "aot_eager", "rank_used": True},
     # kept unsharded after forward: with resharding, the partitioner gathers
-    # the block again in the backward of rank 0 alone (README, "torch.compile")
+    # the block again in the backward of rank 0 alone (README, "Whole-model compile")
     "aot_eager_noraf_drops": {"backend": "aot_eager", "raf": False, "drops": True},
 }
 SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}

@@ -307,10 +307,10 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
-    # the token's gradient, whether or not one came: the previous group's
-    # backward runs too ([Note: Every group's backward on every rank])
     sharded = ctx.reduction(grads[:-1], grads[-1])
-    # (grad_tables is a list: its gradients too)
+    # (grad_tables is a list: its gradients too); the previous token's
+    # gradient whether or not one came, so that the previous group's backward
+    # runs too ([Note: Every group's backward on every rank])
     return (
         None,
         sharded,
