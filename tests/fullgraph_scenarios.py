@@ -127,8 +127,18 @@ _CONFIGS = {
     "inductor_bf16_noraf": {"backend": "inductor", "bf16": True, "raf": False},
     # last: the ranks stop in the middle of a backward
     "aot_eager_rank_used": {"backend": "aot_eager", "rank_used": True},
-    # kept unsharded after forward: with resharding, the partitioner gathers
-    # the block again in the backward of rank 0 alone (README, "Whole-model compile")
+    # resharded after forward, the dropped block is gathered again on every
+    # rank ([Note: Regathered on every rank]), its two groups in one order
+    # with shard1; kept unsharded, it is not gathered again
+    "aot_eager_drops": {"backend": "aot_eager", "drops": True},
+    "aot_eager_drops_shard1_bf16": {
+        "backend": "aot_eager",
+        "drops": True,
+        "shard1": True,
+        "bf16": True,
+    },
+    "eager_drops": {"backend": "eager", "drops": True},
+    "inductor_drops": {"backend": "inductor", "drops": True},
     "aot_eager_noraf_drops": {"backend": "aot_eager", "raf": False, "drops": True},
 }
 SCENARIOS: dict[str, dict[str, Any]] = {k: {**FULLGRAPH_BASE, **v} for k, v in _CONFIGS.items()}

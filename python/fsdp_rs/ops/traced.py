@@ -61,7 +61,7 @@ import torch
 
 from fsdp_rs.kernels._dtypes import bits
 
-__all__ = ["Reduction", "all_gather_rows", "reduction", "unshard_copy_out"]
+__all__ = ["Reduction", "all_gather_rows", "reduction", "regathered", "unshard_copy_out"]
 
 
 @torch.library.custom_op("fsdp_rs::unshard_copy_out", mutates_args=())
@@ -328,6 +328,50 @@ def chained(incoming: torch.Tensor | None, device: torch.device) -> torch.Tensor
     every rank]): ``incoming``, or an empty tensor where the anchor's backward
     did not run."""
     return torch.zeros(0, device=device) if incoming is None else incoming
+
+
+class _Regathered(torch.autograd.Function):
+    """A token passed through; its backward reads a module's groups'
+    all-gather outputs ([Note: Regathered on every rank])."""
+
+    @staticmethod
+    def forward(ctx, token, *gathered):  # type: ignore[override]
+        ctx.save_for_backward(*gathered)
+        return token.view_as(token)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        # none of their rows, selected by an index made from the gradient:
+        # read in the backward graph, not sliced in the forward and saved
+        none = grad.to(torch.long).reshape(-1)
+        for gathered in ctx.saved_tensors:
+            grad = grad + _zero(gathered.index_select(0, none)).to(grad.dtype)
+        return grad, *([None] * len(ctx.saved_tensors))
+
+
+def regathered(token: torch.Tensor, gathered: list[torch.Tensor]) -> torch.Tensor:
+    """``token`` passed through, its gradient made after ``gathered`` (a
+    module's groups' all-gather outputs) is recomputed.
+
+    [Note: Regathered on every rank]
+    With ``reshard_after_forward`` a traced group is gathered inside a
+    checkpoint that recomputes it in backward ([Note: Traced hooks]), and AOT
+    autograd's partitioner recomputes only what the backward reads, where it
+    first reads it. A rank whose forward dropped a module's output computes
+    none of its parameters' gradients, so it would skip the gathers the other
+    ranks issue, and the ranks' collectives would differ before the used-mask
+    check could stop them ([Note: Every group's backward on every rank]). So
+    at the end of the module's forward the current token passes through
+    ``_Regathered``, whose backward reads the module's all-gather outputs.
+    Made after the module's forward, it runs before the module's backward (and
+    before those of modules it called): every rank gathers the module's
+    groups again there, in forward order, then its groups' checks and
+    reductions follow. Where the parameters got gradients these are the
+    gathers recomputed anyway (each once, read by both), at the module's
+    backward pre-hook, where FSDP2's eager backward gathers too; the value
+    read is empty, and what the forward saves is the checkpoints' inputs, not
+    the gathered buffers."""
+    return _Regathered.apply(token, *gathered)
 
 
 def _zero(after: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ bit.
   ``torch.utils.checkpoint`` with a policy that recomputes all of it, so the
   forward graph keeps no unsharded parameter for backward and the backward
   gathers again (the min-cut partitioner of ``aot_eager`` and inductor does
-  this; an int all-gathers over the whole shard group, as True). ``False``:
-  the unsharded parameters are saved, as eager keeps them.
+  this; an int all-gathers over the whole shard group, as True), at the
+  module's backward on every rank ([Note: Regathered on every rank]).
+  ``False``: the unsharded parameters are saved, as eager keeps them.
 - The root's own groups are gathered inside its forward, and at the end of
   that forward every group's sharded parameters are registered again ([Note:
   The root's groups in its forward]).
@@ -82,7 +83,7 @@ from torch.utils.checkpoint import (
 )
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
-from fsdp_rs.ops.traced import all_gather_rows, unshard_copy_out
+from fsdp_rs.ops.traced import all_gather_rows, regathered, unshard_copy_out
 from fsdp_rs.runtime.collectives import unreduced_post_divide
 from fsdp_rs.runtime.extensions import ExtensionParamGroup
 from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
@@ -109,6 +110,9 @@ class TracedGroup:
     def __init__(self, group, modules: list) -> None:
         self.group = group
         self.layout = group.layout
+        # its all-gather output in the forward being traced, where it is
+        # gathered again in backward ([Note: Regathered on every rank])
+        self.gathered: torch.Tensor | None = None
         info = group.info
         self.world = info.shard_size
         # CPU offload: the shard lives on the host and is copied to the compute
@@ -322,9 +326,9 @@ def _recompute_all():
 def _gather(
     traced: TracedGroup, sharded: torch.Tensor, token: torch.Tensor, *local: torch.Tensor
 ) -> list:
-    """The group's unsharded parameters and its token: all-gather and
-    copy-out, differentiable for ``local`` (the sharded parameters' local
-    tensors) and ``token`` (the previous group's)."""
+    """The group's unsharded parameters, its token and its all-gather
+    output: all-gather and copy-out, differentiable for ``local`` (the
+    sharded parameters' local tensors) and ``token`` (the previous group's)."""
     group = traced.group
     source = sharded
     if traced.compute_device is not None:  # CPU offload
@@ -355,14 +359,37 @@ def _gather(
         traced.grad_chunk_numel,
         token,
     )
-    return list(unsharded)
+    return [*unsharded, ag]  # [Note: Regathered on every rank]
 
 
-def _unshard(traced: TracedGroup, context) -> list[torch.Tensor]:
+def _unshard_all(state, context) -> None:
+    """The unshard of ``state``'s groups, each registering its unsharded
+    parameters."""
+    for traced in state.traced_groups:
+        views, gathered = _unshard(traced, context)
+        traced.register(views)
+        if gathered is not None:  # kept for ``_regather``, to the forward's end
+            traced.gathered = gathered
+
+
+def _regather(state, context) -> None:
+    """After ``state``'s module's forward: the current token passed through
+    ``regathered`` of its groups' all-gather outputs ([Note: Regathered on
+    every rank]). There, its backward runs before the module's: a module's
+    groups gathered again in forward order before its backward, on every
+    rank."""
+    gathered = [t.gathered for t in state.traced_groups if t.gathered is not None]
+    if len(gathered) > 0 and context.token is not None:
+        context.token = regathered(context.token, gathered)
+
+
+def _unshard(traced: TracedGroup, context) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The group's unsharded parameters, and its all-gather output where it
+    trains and is gathered again in backward."""
     group = traced.group
     registered = traced.registered()
     if registered[0] is not group.sharded_params[0]:  # called again in this forward
-        return registered
+        return registered, None
     # [Note: Every group's backward on every rank] a group that trains takes
     # the previous one's token and passes its own on
     # (len: torch 2.9's Dynamo cannot trace bool() of a list under dynamic shapes)
@@ -373,22 +400,30 @@ def _unshard(traced: TracedGroup, context) -> list[torch.Tensor]:
         local = [local_of(p) for p in group.sharded_params]
         flags = (traced.reduce_op, traced.all_reduce_op, traced.pre_divide, traced.post_divide)
         gather = traced.extension_gather
-        *views, token = _recomputed(group, gather, *flags, token, *traced.grad_tables, *local)
+        out = _recomputed(group, gather, *flags, token, *traced.grad_tables, *local)
     else:
         local = [local_of(group.sharded_params[i]) for i in traced.trained]
-        *views, token = _recomputed(group, _gather, traced, group.sharded, token, *local)
+        out = _recomputed(group, _gather, traced, group.sharded, token, *local)
+    *views, token, gathered = out
     if trains:
         context.token = token
     # DTensor parameters (TP / EP / dp_mesh_dims / spmd_types): ``unsharded_as``
-    return [
+    views = [
         v if wrap is None else wrap(v) for v, wrap in zip(views, traced.unsharded_as, strict=True)
     ]
+    return views, gathered if trains and recomputes(group) else None
+
+
+def recomputes(group) -> bool:
+    """Whether ``group``'s gather is recomputed in backward
+    (``reshard_after_forward``)."""
+    return group.reshard_after_forward is not False and torch.is_grad_enabled()
 
 
 def _recomputed(group, gather, *args) -> list[torch.Tensor]:
     """``gather(*args)``; with ``reshard_after_forward`` inside a checkpoint
     that recomputes all of it in backward."""
-    if group.reshard_after_forward is not False and torch.is_grad_enabled():
+    if recomputes(group):
         return checkpoint(gather, *args, use_reentrant=False, context_fn=_recompute_all)
     return gather(*args)
 
@@ -411,8 +446,7 @@ def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if not state.is_root:  # the root's groups: in its forward (``_root_forward``)
-        for traced in state.traced_groups:
-            traced.register(_unshard(traced, context))
+        _unshard_all(state, context)
     return args, kwargs
 
 
@@ -420,6 +454,8 @@ def post_forward(state, module, args: tuple, output: Any) -> Any:
     context = state.context
     if not (context.root_traced if state.is_root else context.tracing):
         return _FALLBACK_POST(state, module, args, output)
+    if not state.is_root:  # the root's: in its forward (``_root_forward``)
+        _regather(state, context)
     if state.mp_policy.output_dtype is not None:
         output = _cast_floats(output, state.mp_policy.output_dtype)
     return output
@@ -445,9 +481,9 @@ def _root_forward(state, forward):
             return forward(*args, **kwargs)
         context.tracing = True
         context.token = None
-        for traced in state.traced_groups:
-            traced.register(_unshard(traced, context))
+        _unshard_all(state, context)
         output = forward(*args, **kwargs)
+        _regather(state, context)
         output = _anchor(output, context.token)
         _register_sharded(context)
         context.tracing = False
@@ -552,6 +588,7 @@ def _register_sharded(context) -> None:
     for state in context.states:
         for traced in state.traced_groups:
             traced.register(traced.group.sharded_params)
+            traced.gathered = None
 
 
 def _mixed(context) -> None:

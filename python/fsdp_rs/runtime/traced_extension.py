@@ -98,8 +98,9 @@ class _Bridge(torch.autograd.Function):
 def extension_gather(traced) -> Callable:
     """The unshard of ``traced``'s extension group: a function of the
     reduction flags, the previous group's token, the gradient layout's tables
-    and every parameter's local tensor that returns the unsharded parameters
-    and the group's token ([Note: Extensions under trace])."""
+    and every parameter's local tensor that returns the unsharded parameters,
+    the group's token and its all-gather output ([Note: Extensions under
+    trace], [Note: Regathered on every rank])."""
     group = traced.group
     count = len(traced.grad_tables)
     chunks = group.plan.chunk_rows.tolist()
@@ -130,7 +131,7 @@ def extension_gather(traced) -> Callable:
                     tensor, _ = extension(tuple(outputs), metadata, group.param_dtype)
                 unsharded.append(torch.as_strided(tensor, group.shapes[i], group.strides[i], 0))
         if not traced.trained:
-            return [*unsharded, token.new_empty(0)]
+            return [*unsharded, token.new_empty(0), gathered]
         reduce = reduction(
             world,
             group.device,
@@ -149,6 +150,7 @@ def extension_gather(traced) -> Callable:
             None,
         )
         trained = [local[i] for i in traced.trained]
-        return list(_Bridge.apply(reduce, len(unsharded), token, *unsharded, *trained))
+        bridged = _Bridge.apply(reduce, len(unsharded), token, *unsharded, *trained)
+        return [*bridged, gathered]
 
     return torch._dynamo.allow_in_graph(gather)
