@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_rs.demo import Block
-from spawned import finish
+from spawned import finish, scenario_done
 
 STEPS = 5
 LAYERS = 2
@@ -367,5 +367,5 @@ def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str
             }
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
+        scenario_done(out_dir, rank, results)
     finish(out_dir, rank, results)

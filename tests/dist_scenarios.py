@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_rs.demo import Transformer
-from spawned import finish
+from spawned import finish, scenario_done
 from stream_sim import simulated_streams
 
 STEPS = 5
@@ -348,7 +348,7 @@ def _run(rank, world_size, port, names, out_dir, backend: str, device: str) -> N
         except Exception:
             result = {"error": traceback.format_exc()}
         results[name] = result
-        dist.barrier()
+        scenario_done(out_dir, rank, results)
     try:
         results["checkpoint"] = checkpoint_round_trip(out_dir, world_size, device)
     except Exception:

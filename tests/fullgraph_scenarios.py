@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from compile_scenarios import BASE, LAYERS, Model, init_rank, sharded_model, tokens
-from spawned import finish
+from spawned import finish, scenario_done
 
 STEPS = 5
 
@@ -346,7 +346,7 @@ def disagreement(world_size: int, rank: int) -> dict:
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
     init_rank(rank, world_size, port)
     results: dict[str, Any] = {"disagreement": disagreement(world_size, rank)}
-    _train_each(results, names, world_size, rank, "cpu")
+    _train_each(results, names, world_size, rank, "cpu", out_dir)
     finish(out_dir, rank, results)
 
 
@@ -355,11 +355,13 @@ def cuda_worker(rank: int, world_size: int, port: int, names: list[str], out_dir
     torch.cuda.set_device(rank)
     init_rank(rank, world_size, port, backend="nccl")
     results: dict[str, Any] = {}
-    _train_each(results, names, world_size, rank, "cuda")
+    _train_each(results, names, world_size, rank, "cuda", out_dir)
     finish(out_dir, rank, results)
 
 
-def _train_each(results: dict, names: list[str], world_size: int, rank: int, device: str) -> None:
+def _train_each(
+    results: dict, names: list[str], world_size: int, rank: int, device: str, out_dir: str
+) -> None:
     """Each scenario trained eagerly and compiled on ``device``, into ``results``."""
     for name in names:
         try:
@@ -370,7 +372,7 @@ def _train_each(results: dict, names: list[str], world_size: int, rank: int, dev
             }
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
+        scenario_done(out_dir, rank, results)
 
 
 __all__ = ["LAYERS", "SCENARIOS", "STEPS", "cuda_worker", "worker"]

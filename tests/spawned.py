@@ -19,6 +19,7 @@ import faulthandler
 import functools
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -69,45 +70,87 @@ def spawn_scenarios(
             timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
         ):
             if deadline is not None and time.monotonic() >= deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"the {world_size} ranks did not finish in {timeout_s} s")
-    except mp.ProcessExitedException as e:
-        raise RuntimeError(f"{e}; {_progress(out, world_size, len(names))}") from e
+                _stop(context.processes)
+                raise TimeoutError(
+                    f"the {world_size} ranks did not finish in {timeout_s} s\n"
+                    f"{_progress(out, world_size, len(names))}"
+                )
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise RuntimeError(f"{e}\n{_progress(out, world_size, len(names))}") from e
+
+
+def _stop(processes: list) -> None:
+    """SIGTERM (each rank writes its stacks, ``_in_environment``), then SIGKILL
+    for a rank still alive 10 s later."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _in_environment(rank: int, worker: Callable, environ: dict, *args) -> None:
     """``worker(rank, *args)`` in the spawning process's environment; should the
-    rank die of a signal, its threads' Python stacks are in ``faults_path``."""
+    rank die of a signal, its threads' Python stacks are in ``faults_path``: a
+    fault's, or SIGTERM's, which ``torch.multiprocessing`` sends the ranks still
+    running when another failed (where they were waiting is the clue)."""
     os.environ.clear()
     os.environ.update(environ)
+    _compile_in_process()
     out_dir = args[-1]  # (world_size, port, names, out_dir)
     with open(faults_path(out_dir, rank), "w") as faults:
         faulthandler.enable(faults, all_threads=True)
+        faulthandler.register(signal.SIGTERM, faults, all_threads=True, chain=True)
         try:
             worker(rank, *args)
         finally:  # before the file closes: its descriptor may be reused after
+            faulthandler.unregister(signal.SIGTERM)
             faulthandler.disable()
 
 
+def _compile_in_process() -> None:
+    """Inductor compiles in the rank's own process.
+
+    [Note: One compile thread per rank]
+    By default each process that compiles with inductor starts a pool, a sidecar
+    process with one worker per core, and waits on it for the generated code.
+    The ranks of a spawn already share the CI machine's two cores (one thread
+    each), so the pools only add processes; and a sidecar that dies leaves the
+    rank waiting forever on a pipe that never closes (fixed in torch by
+    pytorch/pytorch#189290, July 2026, after the oldest torch CI runs), while
+    the other ranks time out in a collective. A spawned rank therefore compiles
+    with one thread, which skips the pool; the code it generates is the same."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
 def _progress(out: Path, world_size: int, total: int) -> str:
-    """How far each rank got, from the results it wrote: a rank killed by a
+    """How far each rank got, from the results it wrote (``scenario_done``), with
+    the tracebacks of the scenarios it recorded as raising: a rank killed by a
     signal after writing all of them died in its exit, not in a scenario."""
     parts = []
     for rank in range(world_size):
         try:
-            done = len(json.loads(results_path(out, rank).read_text()))
+            results = json.loads(results_path(out, rank).read_text())
         except (OSError, ValueError):  # none yet, or cut off mid-write
-            done = 0
-        parts.append(f"rank {rank} wrote {done} of {total} results")
+            results = {}
+        parts.append(f"rank {rank} wrote {len(results)} of {total} results")
+        if results:
+            parts[-1] += f", the last {list(results)[-1]}"
+        for name, result in results.items():
+            if isinstance(result, dict) and "error" in result:
+                parts[-1] += f"; its scenario {name} raised:\n{str(result['error'])[-3000:]}\n"
         try:
             stacks = faults_path(out, rank).read_text().strip()
         except OSError:
             stacks = ""
         if stacks:
             parts[-1] += f"; its stacks when it died:\n{stacks[-6000:]}\n"
-    return ", ".join(parts)
+    return "\n".join(parts)
 
 
 def faults_path(out_dir: str | Path, rank: int) -> Path:
@@ -122,6 +165,15 @@ def results_path(out_dir: str | Path, rank: int) -> Path:
 
 def write_results(out_dir: str | Path, rank: int, results: dict) -> None:
     results_path(out_dir, rank).write_text(json.dumps(results))
+
+
+def scenario_done(out_dir: str, rank: int, results: dict) -> None:
+    """A spawned rank's step after each scenario: its results so far on disk,
+    then a barrier. A rank that raised mid-scenario records the traceback and
+    reaches the barrier while the others wait in a collective; should that
+    barrier time out, ``spawn_scenarios`` shows what each rank wrote."""
+    write_results(out_dir, rank, results)
+    dist.barrier()
 
 
 def finish(out_dir: str, rank: int, results: dict) -> NoReturn:
@@ -176,7 +228,7 @@ def gloo_worker(
             results[name] = {"error": traceback.format_exc()}
             write_results(out_dir, rank, results)
             raise
-        dist.barrier()
+        scenario_done(out_dir, rank, results)
     finish(out_dir, rank, results)
 
 
