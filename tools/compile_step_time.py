@@ -7,9 +7,10 @@ with ``--device cuda`` on one NCCL rank per visible GPU::
 
     PYTHONPATH=python python tools/compile_step_time.py [--dim 256] [--layers 4] [--device cuda]
 
-Prints per setting the median step time over the steps after the warm-up
-(forward, backward, AdamW step), rank 0's, and the last loss of each rank-0
-run (the settings train the same model on the same tokens).
+Prints per setting rank 0's median step time (forward, backward, AdamW step)
+over the timed steps, taken in turns with the other settings after every
+setting's warm-up, its ratio to fsdp-rs eager, and its last loss (the settings
+train the same model on the same tokens).
 """
 
 from __future__ import annotations
@@ -31,47 +32,78 @@ from torch.distributed.device_mesh import init_device_mesh
 SETTINGS = ("fsdp-rs eager", "FSDP2 per-block compile", "fsdp-rs level 1", "fsdp-rs level 2")
 
 
-def _run(setting: str, args: argparse.Namespace) -> tuple[float, float]:
-    from fsdp_rs.demo import Transformer
+class _Setting:
+    """One setting's model, compiled as the setting says, its optimizer, its
+    step count (each setting trains its own copy on the same token sequence)
+    and its timed steps."""
 
-    if setting.startswith("FSDP2"):
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_rs import fully_shard
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Transformer(args.vocab, args.dim, args.layers, args.heads)
-    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    run: nn.Module = model
-    if setting == "fsdp-rs level 1":
-        run = torch.compile(model)
-    elif setting == "fsdp-rs level 2":
-        model.set_fullgraph_compile()
-        run = torch.compile(model, fullgraph=True)
-    elif setting.startswith("FSDP2"):
+    def __init__(self, setting: str, args: argparse.Namespace) -> None:
+        from fsdp_rs.demo import Transformer
+
+        if setting.startswith("FSDP2"):
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from fsdp_rs import fully_shard
+        torch.manual_seed(0)
+        model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+        mesh = init_device_mesh(args.device, (dist.get_world_size(),))
         for block in model.blocks:
-            block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    times, loss = [], None
-    for step in range(args.warmup + args.steps):
-        g = torch.Generator().manual_seed(step * 1000 + dist.get_rank())
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.run: nn.Module = model
+        if setting == "fsdp-rs level 1":
+            self.run = torch.compile(model)
+        elif setting == "fsdp-rs level 2":
+            model.set_fullgraph_compile()
+            self.run = torch.compile(model, fullgraph=True)
+        elif setting.startswith("FSDP2"):
+            for block in model.blocks:
+                block.compile()
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.steps, self.times, self.loss = 0, [], float("nan")
+
+    def step(self, args: argparse.Namespace, timed: bool) -> None:
+        g = torch.Generator().manual_seed(self.steps * 1000 + dist.get_rank())
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
         tokens = tokens.to(args.device)
         dist.barrier()
         start = time.perf_counter()
-        logits = run(tokens[:, :-1])
+        logits = self.run(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        self.opt.step()
+        self.opt.zero_grad()
         if args.device == "cuda":
             torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), loss.item()
+        if timed:
+            self.times.append(time.perf_counter() - start)
+        self.steps += 1
+        self.loss = loss.item()
+
+
+def _measure(args: argparse.Namespace, say) -> dict[str, _Setting]:
+    """Every setting built and warmed up (compiled), then timed in turns.
+
+    [Note: Interleaved step times]
+    A shared machine's speed drifts over minutes (this CI VM's eager step read
+    398 ms, then 590 ms two minutes later), more than the settings differ. So
+    the settings are timed in rounds, each round giving every setting
+    ``--steps`` steps in turn, and each row is also given as a ratio to eager
+    fsdp-rs, which drifts with it."""
+    settings: dict[str, _Setting] = {}
+    for name in SETTINGS:
+        try:
+            settings[name] = _Setting(name, args)
+            for _ in range(args.warmup):
+                settings[name].step(args, timed=False)
+        except Exception as e:  # one setting failing still leaves the others' rows
+            settings.pop(name, None)
+            say(f"{name:<26} FAILED: {type(e).__name__}: {e}"[:2000])
+    for _ in range(args.rounds):
+        for setting in settings.values():
+            for _ in range(args.steps):
+                setting.step(args, timed=True)
+    return settings
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
@@ -84,15 +116,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
         torch.set_num_threads(1)
-    for setting in SETTINGS:
-        try:
-            median, loss = _run(setting, args)
-        except Exception as e:  # one setting failing still leaves the others' rows
-            if rank == 0:
-                print(f"{setting:<26} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
-            continue
+
+    def say(line: str) -> None:
         if rank == 0:
-            print(f"{setting:<26} {median * 1e3:8.1f} ms/step   last loss {loss:.6f}", flush=True)
+            print(line, flush=True)
+
+    settings = _measure(args, say)
+    base = settings.get("fsdp-rs eager")
+    for name, setting in settings.items():
+        median = statistics.median(setting.times)
+        ratio = "" if base is None else f"   {median / statistics.median(base.times):.3f} x eager"
+        say(f"{name:<26} {median * 1e3:8.1f} ms/step{ratio}   last loss {setting.loss:.6f}")
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # past gloo's teardown ([Note: Leaving a spawned rank])
@@ -107,7 +141,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=4, help="per setting per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -121,7 +156,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {where}, demo transformer "
         f"{args.layers}x{args.dim}, batch {args.batch}x{args.seq}, inductor, median of "
-        f"{args.steps} steps after {args.warmup}"
+        f"{args.rounds} rounds of {args.steps} steps after {args.warmup} "
+        "([Note: Interleaved step times])"
     )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
