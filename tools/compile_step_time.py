@@ -85,7 +85,7 @@ def _measure(args: argparse.Namespace, say) -> dict[str, _Setting]:
     """Every setting built and warmed up (compiled), then timed in turns.
 
     [Note: Interleaved step times]
-    A shared machine's speed drifts over minutes (this CI VM's eager step read
+    A shared machine's speed drifts over minutes (this 2-core VM's eager step read
     398 ms, then 590 ms two minutes later), more than the settings differ. So
     the settings are timed in rounds, each round giving every setting
     ``--steps`` steps in turn, and each row is also given as a ratio to eager
