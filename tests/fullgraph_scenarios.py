@@ -343,9 +343,27 @@ def disagreement(world_size: int, rank: int) -> dict:
     return {"type": None}
 
 
+def trains_disagreement(world_size: int, rank: int) -> dict:
+    """``set_fullgraph_compile`` where the last rank froze a parameter the
+    others train: what each rank raised ([Note: One decision for all ranks])."""
+    model = _model(FULLGRAPH_BASE, world_size)
+    model(tokens(0, rank))
+    name, param = next(model.blocks[0].named_parameters())
+    if rank == world_size - 1:
+        param.requires_grad_(False)
+    try:
+        model.set_fullgraph_compile()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "param": f"blocks.0.{name}"}
+    return {"type": None}
+
+
 def worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
     init_rank(rank, world_size, port)
-    results: dict[str, Any] = {"disagreement": disagreement(world_size, rank)}
+    results: dict[str, Any] = {
+        "disagreement": disagreement(world_size, rank),
+        "trains_disagreement": trains_disagreement(world_size, rank),
+    }
     _train_each(results, names, world_size, rank, "cpu", out_dir)
     finish(out_dir, rank, results)
 

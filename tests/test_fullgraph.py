@@ -239,6 +239,18 @@ def test_set_fullgraph_compile_raises_on_every_rank_where_they_disagree(results)
         assert "rank 1: eager hooks: gradient sync is off" in message, message
 
 
+def test_set_fullgraph_compile_raises_where_the_ranks_train_different_parameters(results):
+    """Rank 1 froze a parameter rank 0 trains: both raise, naming it with each
+    rank's requires_grad, instead of reducing in other layouts."""
+    for rank, per_rank in enumerate(results):
+        raised = per_rank["trains_disagreement"]
+        assert raised["type"] == "RuntimeError", (rank, raised)
+        message = raised["message"]
+        assert "the ranks train different parameters" in message, message
+        named = f"requires_grad of {raised['param']} is rank 0: True, rank 1: False."
+        assert named in message, message
+
+
 def _model(world_size: int, **spec):
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
 

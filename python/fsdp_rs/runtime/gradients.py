@@ -420,6 +420,7 @@ class GradientReduction:
                 buffer = buffer.to(self.accumulate_dtype, copy=True)
             self._accumulated_buffer = (buffer, had)
             return
+        self.agreement.check_trainable(self)  # [Note: One trainable set on every rank]
         division = self._division()
         rs_in = self._reduce_scatter_input()
         args = self.grad_layout.tables.reduce_scatter_flat_args()
@@ -465,6 +466,7 @@ class GradientReduction:
             ]
             grads.clear()
             return
+        self.agreement.check_trainable(self)  # [Note: One trainable set on every rank]
         division = self._division()
         had = [g is not None for g in grads]
         full = list(grads)  # in the gradient layout: [Note: Gradient layout]

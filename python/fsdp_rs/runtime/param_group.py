@@ -72,6 +72,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.kernels._dtypes import is_copyable
 from fsdp_rs.ops import EagerOps
+from fsdp_rs.runtime.agreement import trained_digest
 from fsdp_rs.runtime.grad_dtypes import (
     UNSET,
     GradPolicy,
@@ -467,6 +468,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         [Note: Trainable set changes]), so that freezing sharded parameters
         before a forward takes effect."""
         self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
+        self.trained_digest = trained_digest(
+            self.requires_grad
+        )  # [Note: One trainable set on every rank]
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters

@@ -257,6 +257,13 @@ class FSDPState:
         for group in groups:
             group.streams = context.streams
             group.agreement = context.agreement
+        context.agreement.register(
+            [
+                (group, [name_of.get(id(m), "") for m in state.modules])
+                for state in states
+                for group in groups_of(state)
+            ]
+        )
         if groups:
             context.device = (self.group or groups[0]).device
         if any(group.annotations is not None for group in groups):

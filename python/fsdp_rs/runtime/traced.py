@@ -91,6 +91,7 @@ from fsdp_rs.runtime.plan_check import (
     gather_objects,
     groups_of,
     mesh_dims,
+    param_fqn,
     per_rank,
 )
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
@@ -602,29 +603,40 @@ def _mixed(context) -> None:
     )
 
 
-def _agree(root, problems: list[str], why_not: str | None) -> None:
+def _agree(root, problems: list[str], why_not: str | None, traced: list) -> None:
     """Every rank of the root's mesh takes the same path, or all raise.
 
     [Note: One decision for all ranks]
     Whether the traced hooks run is decided per rank, from what it reads: the
     groups' settings, their flags and ``requires_grad``. Ranks that decided
     differently would issue other collectives (the traced path's functional ones
-    against the eager hooks' with their gradient agreement) and hang. So
-    ``set_fullgraph_compile`` compares the decisions of all ranks (one
-    ``all_gather_object`` over the mesh, once) and raises on every rank, with
-    each rank's reason, where they differ. Later flag changes are the user's to
+    against the eager hooks' with their gradient agreement) and hang; ranks
+    that train different parameters would reduce them in other layouts, one
+    parameter's gradient summed into another's ([Note: One trainable set on
+    every rank]). So ``set_fullgraph_compile`` compares the decisions and the
+    trainable sets of all ranks (one ``all_gather_object`` over the mesh,
+    once) and raises on every rank, with each rank's reason, where they
+    differ. Later flag changes are the user's to
     make on every rank, as for the FSDPModule setters; Dynamo's guards on them
     recompile each rank on its own, where no collective can be added."""
     dims = mesh_dims(root.mesh_info) if plan_check_enabled() else []
     if not dims:
         return
-    mine = (tuple(problems), why_not)
+    trains = tuple(tuple(t.trains) for groups in traced for t in groups)
+    mine = (tuple(problems), why_not, trains)
     everyone = gather_objects(mine, dims)
     if len({decision for _, decision in everyone}) == 1:
         return
+    if len({decision[:2] for _, decision in everyone}) == 1:  # the same path
+        raise RuntimeError(
+            "set_fullgraph_compile: the ranks train different parameters, so their "
+            "gradients would be reduced in other layouts: "
+            + _first_trains_difference(root, traced, everyone)
+            + ". Set requires_grad the same way on every rank before calling it"
+        )
 
     def text(decision) -> str:
-        problems, why = decision
+        problems, why, _ = decision
         if problems:
             return "cannot trace: " + "; ".join(problems)
         return "traced hooks" if why is None else f"eager hooks: {_REASONS[why]}"
@@ -636,6 +648,24 @@ def _agree(root, problems: list[str], why_not: str | None) -> None:
         + "\nSet the same flags (set_requires_gradient_sync, hooks, requires_grad...) on "
         "every rank before calling it"
     )
+
+
+def _first_trains_difference(root, traced: list, everyone: list) -> str:
+    """The first parameter whose ``requires_grad`` differs between the ranks'
+    trainable sets in ``everyone`` (``_agree``'s gathered decisions), with
+    each rank's value."""
+    name_of = {id(m): n for module in root.modules for n, m in module.named_modules()}
+    at = 0
+    for state, groups in zip(root.context.states, traced, strict=True):
+        names = [name_of.get(id(m), "") for m in state.modules]
+        for t in groups:
+            for j, fqn in enumerate(t.group.managed.fqns):
+                values = [decision[2][at][j] for _, decision in everyone]
+                if len(set(values)) > 1:
+                    per = ", ".join(f"rank {r}: {d[2][at][j]}" for r, d in everyone)
+                    return f"requires_grad of {param_fqn(names, fqn)} is {per}"
+            at += 1
+    return "(not found)"
 
 
 def enable(root) -> None:
@@ -662,7 +692,7 @@ def enable(root) -> None:
         else [[TracedGroup(g, s.modules) for g in groups_of(s)] for s in context.states]
     )
     why_not = _why_not_groups(traced)
-    _agree(root, problems, why_not)
+    _agree(root, problems, why_not, traced)
     if problems:
         raise ValueError(
             "set_fullgraph_compile: these fully_shard groups cannot be traced: "
