@@ -14,8 +14,9 @@ another size (gloo aborts the process, NCCL hangs or reads past the input)
 where they do not. So before its first reduce-scatter over a mesh in a
 backward, every rank all-reduces (MAX) a digest of the trainable sets of all
 the root's groups that reduce over that mesh, and its negation: one small
-collective per mesh per synced backward, read at once (on an accelerator a
-sync of the reduce-scatter stream, which holds nothing of this backward yet).
+collective per mesh per synced backward, read at once (on an accelerator the
+host waits for it and for what that process group ran before it; the
+reduce-scatter stream it runs on holds nothing of this backward yet).
 Where the ranks differ, every rank sees it in the same result, gathers the
 sets (one more collective, only then) and raises the error, naming the first
 parameter that differs with each rank's value, before any rank reduces. Off

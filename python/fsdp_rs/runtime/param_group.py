@@ -468,9 +468,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         [Note: Trainable set changes]), so that freezing sharded parameters
         before a forward takes effect."""
         self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
-        self.trained_digest = trained_digest(
-            self.requires_grad
-        )  # [Note: One trainable set on every rank]
+        # compared across ranks before reducing: [Note: One trainable set on every rank]
+        self.trained_digest = trained_digest(self.requires_grad)
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
         self._grad_ref = self._view_refs = None  # views of the old parameters
