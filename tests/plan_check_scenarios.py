@@ -96,7 +96,8 @@ def first_forward_collectives(model: nn.Module, check: bool) -> int:
 
 def matching(rank: int, mesh) -> dict:
     """Same model on every rank: the check issues one collective per mesh dim
-    with more than one rank, at the first forward only."""
+    with more than one rank, at the first forward only; the trainable-set
+    check, one per such dim per synced backward."""
     checked, unchecked = mlp(), mlp()
     shard(checked, mesh)
     shard(unchecked, mesh)

@@ -38,10 +38,11 @@ lazy init. The check's collective runs on the root's mesh, so meshes whose
 process groups differ between ranks still hang there.
 
 Off (on every rank, or the ranks disagree on the collective):
-``FSDP_RS_CHECK_PLANS=0``. With torch's fake process group, and on a mesh of
-one rank, nothing is checked. Cost: one 8-byte all-gather per root and mesh
-dim, and hashing, once: 1.4-1.6 us per parameter in all at 1e4 and 1e5
-parameters (gloo, W = 2, a 2-core VM; README).
+``FSDP_RS_CHECK_PLANS=0``, which turns off the per-backward check of the
+trainable sets too ([Note: One trainable set on every rank]). With torch's
+fake process group, and on a mesh of one rank, nothing is checked. Cost: one
+8-byte all-gather per root and mesh dim, and hashing, once: 1.4-1.6 us per
+parameter in all at 1e4 and 1e5 parameters (gloo, W = 2, a 2-core VM; README).
 """
 
 from __future__ import annotations
