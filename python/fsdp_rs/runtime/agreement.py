@@ -42,7 +42,7 @@ from fsdp_rs.runtime.plan_check import enabled as plan_checks_enabled
 from fsdp_rs.runtime.plan_check import mesh_dims, param_fqn
 from fsdp_rs.runtime.streams import CommStreams
 
-__all__ = ["GradientAgreement", "trained_digest"]
+__all__ = ["GradientAgreement", "first_difference", "trained_digest"]
 
 
 def trained_digest(requires_grad: list[bool]) -> int:
@@ -180,7 +180,7 @@ def _differing_sets(
         everyone: list[Any] = [None] * dist.get_world_size(pg)
         dist.all_gather_object(everyone, mine, group=pg)
         ranks = dist.get_process_group_ranks(pg)
-        found = _first_difference(groups, everyone, ranks, names)
+        found = first_difference(groups, everyone, ranks, names)
         if found is not None:
             named = found
             break
@@ -194,9 +194,13 @@ def _differing_sets(
     )
 
 
-def _first_difference(
+def first_difference(
     groups: list[Any], everyone: list[Any], ranks: list[int], names: dict[int, list[str]]
 ) -> str | None:
+    """The first parameter of ``groups`` whose ``requires_grad`` differs in
+    ``everyone`` (per rank of ``ranks``, its masks of ``groups``), named under
+    the root (``names``: each group's module names) with each rank's value;
+    None where they agree."""
     for i, group in enumerate(groups):
         for j, fqn in enumerate(group.managed.fqns):
             fqn = param_fqn(names[id(group)], fqn)

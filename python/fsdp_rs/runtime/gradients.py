@@ -420,7 +420,6 @@ class GradientReduction:
                 buffer = buffer.to(self.accumulate_dtype, copy=True)
             self._accumulated_buffer = (buffer, had)
             return
-        self.agreement.check_trainable(self)  # [Note: One trainable set on every rank]
         division = self._division()
         rs_in = self._reduce_scatter_input()
         args = self.grad_layout.tables.reduce_scatter_flat_args()
@@ -466,7 +465,6 @@ class GradientReduction:
             ]
             grads.clear()
             return
-        self.agreement.check_trainable(self)  # [Note: One trainable set on every rank]
         division = self._division()
         had = [g is not None for g in grads]
         full = list(grads)  # in the gradient layout: [Note: Gradient layout]
@@ -504,6 +502,8 @@ class GradientReduction:
     def _reduce_scatter(self, rs_in: torch.Tensor, division, had_grad: list[bool]) -> None:
         """Reduce-scatter (+ all-reduce across replicas, + the user's hook), then
         the post-reduce, on the streams of [Note: Streams]."""
+        # before the collective, on every path to it: [Note: One trainable set on every rank]
+        self.agreement.check_trainable(self)
         info, plan, streams = self.info, self.grad_layout.plan, self.streams
         post = division.post
         comm = self.reduce_scatter_comm

@@ -84,6 +84,7 @@ from torch.utils.checkpoint import (
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import all_gather_rows, regathered, unshard_copy_out
+from fsdp_rs.runtime.agreement import first_difference
 from fsdp_rs.runtime.collectives import unreduced_post_divide
 from fsdp_rs.runtime.extensions import ExtensionParamGroup
 from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
@@ -91,7 +92,6 @@ from fsdp_rs.runtime.plan_check import (
     gather_objects,
     groups_of,
     mesh_dims,
-    param_fqn,
     per_rank,
 )
 from fsdp_rs.runtime.shard_dim import ShardDimGroup
@@ -655,17 +655,14 @@ def _first_trains_difference(root, traced: list, everyone: list) -> str:
     trainable sets in ``everyone`` (``_agree``'s gathered decisions), with
     each rank's value."""
     name_of = {id(m): n for module in root.modules for n, m in module.named_modules()}
-    at = 0
-    for state, groups in zip(root.context.states, traced, strict=True):
-        names = [name_of.get(id(m), "") for m in state.modules]
-        for t in groups:
-            for j, fqn in enumerate(t.group.managed.fqns):
-                values = [decision[2][at][j] for _, decision in everyone]
-                if len(set(values)) > 1:
-                    per = ", ".join(f"rank {r}: {d[2][at][j]}" for r, d in everyone)
-                    return f"requires_grad of {param_fqn(names, fqn)} is {per}"
-            at += 1
-    return "(not found)"
+    groups, names = [], {}
+    for state, per_state in zip(root.context.states, traced, strict=True):
+        for t in per_state:
+            groups.append(t.group)
+            names[id(t.group)] = [name_of.get(id(m), "") for m in state.modules]
+    sets = [decision[2] for _, decision in everyone]
+    found = first_difference(groups, sets, [rank for rank, _ in everyone], names)
+    return "(not found)" if found is None else found
 
 
 def enable(root) -> None:
