@@ -447,6 +447,53 @@ def group_of_two(world_size: int, rank: int) -> dict:
     return out
 
 
+class Twice(Net):
+    """``Net`` whose middle block runs twice per forward (shared weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1:
+                x = block(x)
+        return self.head(x)
+
+
+def called_twice(world_size: int, rank: int, hsdp: bool, group: bool = False) -> dict:
+    """A block called twice per forward (also in a group over two blocks, with
+    ``group``), three micro-steps per step without sync (HSDP: without the
+    all-reduce across replicas): gradients, losses and parameters with FSDP2's
+    bits ([Note: Partial gradients of a module called twice])."""
+    out = {}
+    for lib in LIBS:
+        model = _net(0, Twice)
+        mesh = _mesh(world_size, hsdp)
+        shard = LIBS[lib]
+        blocks = list(model.blocks)
+        shard(blocks[0], mesh=mesh)
+        if group:
+            shard(blocks[1:], mesh=mesh)
+        else:
+            for block in blocks[1:]:
+                shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for step in range(2):
+            for micro in range(3):
+                if hsdp:
+                    model.set_requires_all_reduce(micro == 2)
+                else:
+                    model.set_requires_gradient_sync(micro == 2)
+                loss = _loss(model, _inputs(rank, step, micro))
+                loss.backward()
+                losses.append(loss.item())
+            grads.append(_shards(model, grads=True))
+            optim.step()
+            optim.zero_grad()
+        out[lib] = {"losses": losses, "grads": grads, "params": _shards(model)}
+    return out
+
+
 def forward_ad(world_size: int, rank: int, reshard_after_forward: bool = False) -> dict:
     """torch.func.jvp through the sharded model before any other forward, then
     a training step."""
@@ -1077,6 +1124,9 @@ SCENARIOS: dict[str, tuple[Callable, dict]] = {
     "meta_init": (meta_init, {}),
     "chunked_loss": (chunked_loss, {}),
     "group_of_two": (group_of_two, {}),
+    "called_twice": (called_twice, {"hsdp": False}),
+    "called_twice_hsdp": (called_twice, {"hsdp": True}),
+    "called_twice_group_hsdp": (called_twice, {"hsdp": True, "group": True}),
     "custom_comms": (api_setting, {"setting": "custom_comms"}),
     "divide_factor": (api_setting, {"setting": "divide_factor"}),
     "separate_rs_group": (api_setting, {"setting": "separate_rs_group"}),

@@ -13,9 +13,12 @@ parameters; SGD with momentum, AdamW or single-tensor Adam; micro-steps with
 and without gradient sync; ``zero_grad`` with and without ``set_to_none``;
 evaluation forwards under ``no_grad`` between steps; an explicit ``unshard()``;
 ``set_reshard_after_backward(False)`` (resharding before the optimizer, as it
-asks); a ``requires_grad`` flipped through the registered parameter before the
-second step ([Note: Trainable set changes]: FSDP2 follows a change on the
-sharded parameter, so its run reshards first).
+asks); a call's matrices sharded on dim 1 (``shard_placement_fn``), explicit
+forward and backward prefetching, a call's gradient divide factor, sums only
+(``set_force_sum_reduction_for_comms``), a block called twice per forward; a
+``requires_grad`` flipped through the registered parameter before the second
+step ([Note: Trainable set changes]: FSDP2 follows a change on the sharded
+parameter, so its run reshards first).
 
 A seed may also run the branches on alternate ranks, so that their parameters
 get a gradient on some ranks only ([Note: Gradient agreement]): both libraries
@@ -50,7 +53,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_state as _torch_fsdp_state
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_rs
@@ -102,10 +105,13 @@ class Model(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(c) for c in cfg["blocks"])
         self.head = nn.Linear(cfg["blocks"][-1]["dout"], cfg["head_out"], bias=cfg["head_bias"])
+        self.twice = cfg.get("twice")
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             x = block(x, step)
+            if i == self.twice:
+                x = block(x, step)
         return self.head(x.to(self.head.weight.dtype))
 
 
@@ -155,45 +161,65 @@ def config(seed: int, world_size: int = 2) -> dict:
     steps = r.randint(2, 4)
     mp = r.choice(["none", "none", "bf16", "bf16_fp32", "fp32_out_bf16", "bf16_nocast"])
     per_call = r.random() < 0.2
-    return {
-        "seed": seed,
-        "blocks": blocks,
-        "head_bias": r.random() < 0.5,
-        "calls": calls,
-        "hsdp": hsdp,
-        "raf": [r.choice(rafs) for _ in calls],
-        "root_raf": r.choice(rafs),
-        "mp": mp,
-        "call_mp": [r.choice(["none", "bf16", "bf16_fp32"]) if per_call else mp for _ in calls],
-        "offload": r.random() < 0.15,
-        "frozen": frozen,
-        "optim": r.choice(["sgd", "adamw", "adam_single"]),
-        "steps": steps,
-        "micro": [r.choice([1, 1, 2, 3]) for _ in range(steps)],
-        "nosync": [r.random() < 0.6 for _ in range(steps)],
-        "set_to_none": [r.random() < 0.7 for _ in range(steps)],
-        "eval_between": r.random() < 0.35,
-        "explicit_unshard": r.random() < 0.15,
-        # one parameter's requires_grad flipped before the second step: a frozen
-        # one unfrozen, or a trained one frozen
-        "toggle": None
-        if r.random() < 0.65
-        else r.choice(frozen)
-        if frozen and r.random() < 0.5
-        else (r.randrange(n), r.choice(["lin1.weight", "lin2.weight"])),
-        "no_reshard_after_backward": r.random() < 0.1,
-        "loss": r.choice(["sum", "mean_sq"]),
-    } | {  # drawn after the rest, so that earlier seeds kept their runs
-        # fsdp-rs steps a FlatOptimizer of the same class and settings
-        "flat": r.random() < 0.3,
-        "clip": r.random() < 0.3,  # torch.nn.utils.clip_grad_norm_ before the step
-        # HSDP: the micro-steps without sync skip only the all-reduce
-        "no_all_reduce": hsdp and r.random() < 0.5,
-        "head_out": 4 if world_size == 2 else widths_of[0],
-        # the branches run on alternate ranks: their parameters get a gradient on
-        # some ranks only ([Note: Gradient agreement])
-        "rank_branch": r.random() < 0.25,
-    }
+    return (
+        {
+            "seed": seed,
+            "blocks": blocks,
+            "head_bias": r.random() < 0.5,
+            "calls": calls,
+            "hsdp": hsdp,
+            "raf": [r.choice(rafs) for _ in calls],
+            "root_raf": r.choice(rafs),
+            "mp": mp,
+            "call_mp": [r.choice(["none", "bf16", "bf16_fp32"]) if per_call else mp for _ in calls],
+            "offload": r.random() < 0.15,
+            "frozen": frozen,
+            "optim": r.choice(["sgd", "adamw", "adam_single"]),
+            "steps": steps,
+            "micro": [r.choice([1, 1, 2, 3]) for _ in range(steps)],
+            "nosync": [r.random() < 0.6 for _ in range(steps)],
+            "set_to_none": [r.random() < 0.7 for _ in range(steps)],
+            "eval_between": r.random() < 0.35,
+            "explicit_unshard": r.random() < 0.15,
+            # one parameter's requires_grad flipped before the second step: a frozen
+            # one unfrozen, or a trained one frozen
+            "toggle": None
+            if r.random() < 0.65
+            else r.choice(frozen)
+            if frozen and r.random() < 0.5
+            else (r.randrange(n), r.choice(["lin1.weight", "lin2.weight"])),
+            "no_reshard_after_backward": r.random() < 0.1,
+            "loss": r.choice(["sum", "mean_sq"]),
+        }
+        | {  # drawn after the rest, so that earlier seeds kept their runs
+            # fsdp-rs steps a FlatOptimizer of the same class and settings
+            "flat": r.random() < 0.3,
+            "clip": r.random() < 0.3,  # torch.nn.utils.clip_grad_norm_ before the step
+            # HSDP: the micro-steps without sync skip only the all-reduce
+            "no_all_reduce": hsdp and r.random() < 0.5,
+            "head_out": 4 if world_size == 2 else widths_of[0],
+            # the branches run on alternate ranks: their parameters get a gradient on
+            # some ranks only ([Note: Gradient agreement])
+            "rank_branch": r.random() < 0.25,
+        }
+        | {  # drawn after the rest (2026-11-29)
+            # each call's matrices sharded on dim 1 (shard_placement_fn)
+            "shard1": [r.random() < 0.2 for _ in calls],
+            # explicit prefetching: each call's module gathers the next one's in
+            # forward and the previous one's in backward
+            "prefetch": r.random() < 0.2,
+            # each call's gradient divide factor (None: the data-parallel size)
+            "divide": [r.choice([None, None, None, None, 1.0, 3.0]) for _ in calls],
+            "force_sum": r.random() < 0.15,  # sums only, dividing before and after
+            # a block whose input and output widths match called twice per forward
+            "twice": _twice(r, blocks),
+        }
+    )
+
+
+def _twice(r: random.Random, blocks: list[dict]) -> int | None:
+    square = [i for i, c in enumerate(blocks) if c["din"] == c["dout"]]
+    return r.choice(square) if square and r.random() < 0.3 else None
 
 
 def _optimizer(cfg: dict, params: list, flat: bool = False) -> torch.optim.Optimizer:
@@ -217,6 +243,30 @@ def _model(cfg: dict) -> nn.Module:
     for b, name in cfg["frozen"]:
         model.blocks[b].get_parameter(name).requires_grad_(False)
     return model
+
+
+def _on_dim1(p: nn.Parameter) -> Shard | None:
+    """Matrices whose dim 1 divides evenly on dim 1 (FSDP refuses the others)."""
+    return Shard(1) if p.ndim == 2 and p.shape[1] % dist.get_world_size() == 0 else None
+
+
+def _set_flags(cfg: dict, model: nn.Module) -> None:
+    """The drawn FSDPModule setters of each call's module (the first of a
+    call over several) and the root."""
+    firsts = [model.blocks[call[0]] for call in cfg["calls"]]
+    for module, factor in zip(firsts, cfg.get("divide", []), strict=False):
+        if factor is not None:  # gloo has no pre-multiplied sum: sums only
+            module.set_gradient_divide_factor(factor)
+            module.set_force_sum_reduction_for_comms(True)
+    if cfg.get("force_sum"):
+        for module in [*firsts, model]:
+            module.set_force_sum_reduction_for_comms(True)
+    if cfg.get("prefetch") and len(firsts) > 1:
+        for i, module in enumerate(firsts):
+            if i + 1 < len(firsts):
+                module.set_modules_to_forward_prefetch([firsts[i + 1]])
+            if i > 0:
+                module.set_modules_to_backward_prefetch([firsts[i - 1]])
 
 
 def _flip(cfg: dict, model: nn.Module) -> None:
@@ -260,14 +310,21 @@ def train(cfg: dict, lib: str, rank: int, compiled: Callable | None = None) -> d
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world_size,))
-    for call, raf, mp in zip(cfg["calls"], cfg["raf"], cfg["call_mp"], strict=True):
+    shard1 = cfg.get("shard1") or [False] * len(cfg["calls"])
+    for call, raf, mp, dim1 in zip(cfg["calls"], cfg["raf"], cfg["call_mp"], shard1, strict=True):
         modules = [model.blocks[i] for i in call]
+        if lib == "torch" and dim1 and type(raf) is int:
+            # torch 2.13's FSDP2 fails to gather its post-forward shards of
+            # Shard(1) matrices (IndexError in foreach_all_gather_copy_out);
+            # resharding to a smaller group changes memory only, not the values
+            raf = True
         shard(
             modules if len(modules) > 1 else modules[0],
             mesh=mesh,
             reshard_after_forward=raf,
             mp_policy=MixedPrecisionPolicy(**POLICIES[mp]),
             offload_policy=offload,
+            shard_placement_fn=_on_dim1 if dim1 else None,
         )
     shard(
         model,
@@ -278,6 +335,7 @@ def train(cfg: dict, lib: str, rank: int, compiled: Callable | None = None) -> d
     )
     if cfg["no_reshard_after_backward"]:
         model.set_reshard_after_backward(False)
+    _set_flags(cfg, model)
     if cfg["rank_branch"]:
         # FSDP2 reduce-scatters the gradients each rank holds, so the ranks'
         # collectives would differ; with this it reduces zeros for the others
@@ -387,9 +445,16 @@ def first_difference(a, b, path: str = "") -> str | None:
         return f"{path}: None on the {'second' if a is not None else 'first'} side only"
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    if not torch.equal(a, b):
+    if not _equal(a, b):
         return f"{path}: max |diff| {(a.double() - b.double()).abs().max().item():.3g}"
     return None
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal elementwise, a NaN equal to a NaN (a run that diverged in both)."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def run_seed(world_size: int, rank: int, seed: int) -> dict:
@@ -419,7 +484,9 @@ def run_seed(world_size: int, rank: int, seed: int) -> dict:
         out["vs_torch"] = first_difference(records["torch"], records["rs"])
     # gloo sums two values alike in any order, four by buffer size; a clipped
     # norm is summed over shards, not over the whole gradients
-    if world_size == 2 and fp32 and not cfg["clip"]:
+    # a divide factor or sums only change how the reduction rounds
+    divides = any(f is not None for f in cfg["divide"]) or cfg["force_sum"]
+    if world_size == 2 and fp32 and not cfg["clip"] and not divides:
         reference = train_reference(cfg, rank)
         out["reference"] = True
         out["rs_vs_reference"] = first_difference(reference, records["rs"])

@@ -142,6 +142,16 @@ def test_group_of_two_modules_reduces_once(results):
         assert first == {**ref_first, ag: ref_first[ag] + 1}, f"rank {rank}"
 
 
+@pytest.mark.parametrize("name", ["called_twice", "called_twice_hsdp", "called_twice_group_hsdp"])
+def test_module_called_twice_accumulates_as_fsdp2(results, name):
+    """A block run twice per forward, micro-steps without sync or (HSDP, two
+    replicas) without the all-reduce: FSDP2's bits. The replicas' partial
+    gradients are added to the visit that has gradients, not to the zeros
+    the block's first backward visit reduces (before: 6e-8 apart)."""
+    for rank, r in _each_rank(results, name):
+        _assert_same(rank, r["rs"], r["torch"])
+
+
 @pytest.mark.parametrize("name", ["jvp", "jvp_reshard"])
 def test_forward_mode_ad(results, name):
     """torch.func.jvp through the sharded model (no forward before it), then a

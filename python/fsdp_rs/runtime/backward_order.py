@@ -63,6 +63,12 @@ class BackwardOrder:
         self.cursor = k + 1
         return self.slots[cursor:k]
 
+    def pending(self, state: Any) -> bool:
+        """Whether ``state`` has slots backward has not reached yet: its module
+        ran more than once in forward, and this is not its last visit."""
+        positions = self._positions.get(id(state))
+        return bool(positions) and positions[0] >= self.cursor  # [0]: its slot visited last
+
     def rest(self) -> list[tuple[Any, bool]]:
         """The slots that never fired, at the end of backward."""
         rest = self.slots[self.cursor :]

@@ -94,6 +94,19 @@ So no local observation decides a collective or an assignment alone:
   some rank had a gradient for. A rank that had every gradient pays one small
   collective per backward and no sync.
 
+[Note: Partial gradients of a module called twice]
+A module that runs more than once in a forward (a block applied again, shared
+weights) has its group's post-backward run once per call, in reverse order.
+Autograd adds the calls' gradients into the unsharded parameters only once
+it is through all of them, so every visit but the last finds none: FSDP2
+reduces nothing there, fsdp-rs reduces zeros ([Note: Gradient agreement]).
+With HSDP's all-reduce held back (``set_requires_all_reduce(False)``), the
+reduce-scatter outputs summed so far are added, at the backward that
+all-reduces, to the first visit where this rank has a gradient, or else to
+the group's last visit in this backward ([Note: Backward order] knows which),
+as FSDP2 adds them to its first reduction. Added to an earlier visit's zeros,
+they would be all-reduced apart from the gradients and round otherwise.
+
 [Note: Wider gradient accumulation]
 Where the installed torch's FSDP2 has a gradient dtype policy ([Note: Default
 reduce dtype]) and a group reduces in a wider floating dtype than it computes
@@ -203,6 +216,9 @@ class GradientReduction:
         self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
         self._partial_reduce: torch.Tensor | None = None
         self._partial_had: list[bool] | None = None  # this rank's, for _partial_reduce
+        # the module's backward visits the group again in this backward (it ran
+        # more than once in forward): [Note: Partial gradients of a module called twice]
+        self.visits_left = False
         # the post-reduced row whose parameters this rank had no gradient for
         # wait on ([Note: Gradient agreement]), and the agreement (the root's)
         self._unagreed: torch.Tensor | None = None
@@ -555,7 +571,9 @@ class GradientReduction:
             if info.replicate_group is not None:
                 # [No all-reduce] the replicas' partial gradients are summed here
                 # until a backward all-reduces them (on this stream: it made them).
-                if self._partial_reduce is not None:  # in place, as FSDP2's ``+=``
+                if self._partial_reduce is not None and (  # in place, as FSDP2's ``+=``
+                    not self.all_reduce_grads or any(had_grad) or not self.visits_left
+                ):
                     output.add_(self._partial_reduce)
                     had_grad = list(map(operator.or_, had_grad, self._partial_had))
                     self._partial_reduce = self._partial_had = None

@@ -489,9 +489,14 @@ class FSDPState:
         return []
 
     def post_backward(self) -> None:
-        if self.group is not None and not self.group.post_backward_done:
+        group = self.group
+        if group is not None and not group.post_backward_done:
+            order = self.context.backward_order
+            # [Note: Partial gradients of a module called twice]
+            group.visits_left = order is not None and order.pending(self)
             with self.context.untyped():
-                self.group.post_backward()
+                group.post_backward()
+            group.visits_left = False
 
     def _post_backward_hook(self, grads: tuple) -> None:
         self.post_backward()
