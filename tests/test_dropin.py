@@ -147,7 +147,8 @@ def test_module_called_twice_accumulates_as_fsdp2(results, name):
     """A block run twice per forward, micro-steps without sync or (HSDP, two
     replicas) without the all-reduce: FSDP2's bits. The replicas' partial
     gradients are added to the visit that has gradients, not to the zeros
-    the block's first backward visit reduces (before: 6e-8 apart)."""
+    the block's first backward visit reduces (before: 6e-8 apart), and from
+    torch 2.15 added at the first visit, as its FSDP2 adds them."""
     for rank, r in _each_rank(results, name):
         _assert_same(rank, r["rs"], r["torch"])
 

@@ -105,7 +105,9 @@ reduce-scatter outputs summed so far are added, at the backward that
 all-reduces, to the first visit where this rank has a gradient, or else to
 the group's last visit in this backward ([Note: Backward order] knows which),
 as FSDP2 adds them to its first reduction. Added to an earlier visit's zeros,
-they would be all-reduced apart from the gradients and round otherwise.
+they would be all-reduced apart from the gradients and round otherwise. From
+torch 2.15, FSDP2 reduces zeros at every visit of a group that holds such
+gradients and adds them at the first, and so does fsdp-rs there.
 
 [Note: Wider gradient accumulation]
 Where the installed torch's FSDP2 has a gradient dtype policy ([Note: Default
@@ -163,6 +165,7 @@ from fsdp_rs.runtime.collectives import (
 )
 from fsdp_rs.runtime.nd import DTensorParam
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
+from fsdp_rs.runtime.policies import fsdp2_reduces_partial_first
 
 __all__ = ["GradientReduction"]
 
@@ -219,6 +222,7 @@ class GradientReduction:
         # the module's backward visits the group again in this backward (it ran
         # more than once in forward): [Note: Partial gradients of a module called twice]
         self.visits_left = False
+        self._partial_first = fsdp2_reduces_partial_first()
         # the post-reduced row whose parameters this rank had no gradient for
         # wait on ([Note: Gradient agreement]), and the agreement (the root's)
         self._unagreed: torch.Tensor | None = None
@@ -572,7 +576,10 @@ class GradientReduction:
                 # [No all-reduce] the replicas' partial gradients are summed here
                 # until a backward all-reduces them (on this stream: it made them).
                 if self._partial_reduce is not None and (  # in place, as FSDP2's ``+=``
-                    not self.all_reduce_grads or any(had_grad) or not self.visits_left
+                    not self.all_reduce_grads
+                    or self._partial_first
+                    or any(had_grad)
+                    or not self.visits_left
                 ):
                     output.add_(self._partial_reduce)
                     had_grad = list(map(operator.or_, had_grad, self._partial_had))

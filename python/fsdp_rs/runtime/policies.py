@@ -48,6 +48,18 @@ def fsdp2_has_grad_dtype_policy() -> bool:
     return hasattr(FSDPParam, "unsharded_grad_dtype")
 
 
+def fsdp2_reduces_partial_first() -> bool:
+    """Whether the installed torch's FSDP2 reduces a group that holds partial
+    replica gradients at every visit of its backward, adding them at the first
+    (torch >= 2.15), rather than at the first visit with a gradient ([Note:
+    Partial gradients of a module called twice])."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # FSDP2 moved: assume the newest semantics
+        return True
+    return hasattr(FSDPParamGroup, "_get_partial_reduce_grad")
+
+
 def accumulates_wider(reduce_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
     """Whether backwards without sync accumulate in ``reduce_dtype`` rather than
     the compute dtype ([Note: Wider gradient accumulation] in ``gradients.py``)."""
