@@ -264,6 +264,10 @@ def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
     fully_shard([model[0], model[1]])  # the root: several modules
     with pytest.raises(ValueError, match="is the root and shards several modules"):
         model[0].set_fullgraph_compile()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard([model[0], model[1]])
+    fully_shard(model)  # what the message asks for: their parent is the root
+    model.set_fullgraph_compile()
     from extension_scenarios import PairV1
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))

@@ -188,7 +188,11 @@ def _static_reason(state, group) -> str | None:
     if len(state.modules) > 1 and state.is_root:
         # its groups are gathered in the root's forward ([Note: The root's groups
         # in its forward]): one module's
-        return "it is the root and shards several modules in one fully_shard call"
+        return (
+            "it is the root and shards several modules in one fully_shard call (call "
+            "fully_shard on the module that runs them too, before its first forward: that "
+            "one becomes the root)"
+        )
     if type(group) is ExtensionParamGroup:
         why = untraceable(group)  # [Note: Extensions under trace]
         if why is not None:
