@@ -494,9 +494,11 @@ class FSDPState:
             order = self.context.backward_order
             # [Note: Partial gradients of a module called twice]
             group.visits_left = order is not None and order.pending(self)
-            with self.context.untyped():
-                group.post_backward()
-            group.visits_left = False
+            try:
+                with self.context.untyped():
+                    group.post_backward()
+            finally:
+                group.visits_left = False
 
     def _post_backward_hook(self, grads: tuple) -> None:
         self.post_backward()
