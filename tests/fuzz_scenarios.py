@@ -484,9 +484,14 @@ def run_seed(world_size: int, rank: int, seed: int) -> dict:
         out["vs_torch"] = first_difference(records["torch"], records["rs"])
     # gloo sums two values alike in any order, four by buffer size; a clipped
     # norm is summed over shards, not over the whole gradients
-    # a divide factor or sums only change how the reduction rounds
+    # a divide factor or sums only change how the reduction rounds; so does a
+    # block called twice with micro-steps without sync: FSDP2 (and fsdp-rs) reduce
+    # what those accumulated at its first backward visit, apart from the last
+    # visit's gradients ([Note: Partial gradients of a module called twice])
     divides = any(f is not None for f in cfg["divide"]) or cfg["force_sum"]
-    if world_size == 2 and fp32 and not cfg["clip"] and not divides:
+    unsynced = any(m > 1 and n for m, n in zip(cfg["micro"], cfg["nosync"], strict=True))
+    apart = cfg["twice"] is not None and unsynced
+    if world_size == 2 and fp32 and not cfg["clip"] and not divides and not apart:
         reference = train_reference(cfg, rank)
         out["reference"] = True
         out["rs_vs_reference"] = first_difference(reference, records["rs"])
