@@ -20,17 +20,21 @@ OP = "all_gather_copy_in"
 BLOCK = 4096
 
 
-def check_all_gather_copy_in(
-    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
-) -> None:
-    check_buffer(OP, "sharded", sharded, 1)
-    check_buffer(OP, "all_gather_output", all_gather_output, 2)
+def _check_cast(sharded: torch.Tensor, all_gather_output: torch.Tensor) -> None:
     check_arithmetic(
         OP,
         ("sharded", sharded.dtype),
         ("all_gather_output", all_gather_output.dtype),
         raw="allocate all_gather_output in the sharded buffer's dtype",
     )
+
+
+def check_all_gather_copy_in(
+    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
+) -> None:
+    check_buffer(OP, "sharded", sharded, 1)
+    check_buffer(OP, "all_gather_output", all_gather_output, 2)
+    _check_cast(sharded, all_gather_output)
     check_same_device(OP, [("sharded", sharded), ("all_gather_output", all_gather_output)])
     world_size, row_numel = all_gather_output.shape
     if row_numel != sharded.numel():
@@ -45,10 +49,13 @@ def check_all_gather_copy_in(
 
 
 def torch_all_gather_copy_in(
-    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
+    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int, *, checked: bool = True
 ) -> None:
     """Reference: ``all_gather_output[rank] = sharded.to(param dtype)``."""
-    check_all_gather_copy_in(sharded, all_gather_output, rank)
+    if checked:  # [Note: Trusted calls]
+        check_all_gather_copy_in(sharded, all_gather_output, rank)
+    else:
+        _check_cast(sharded, all_gather_output)
     if sharded.dtype == all_gather_output.dtype:  # raw bits, any dtype
         sharded, all_gather_output = bits(sharded), bits(all_gather_output)
     all_gather_output[rank].copy_(sharded)
@@ -64,11 +71,14 @@ def _copy_in_kernel(src, dst, numel, BLOCK: tl.constexpr):
 
 
 def triton_all_gather_copy_in(
-    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
+    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int, *, checked: bool = True
 ) -> None:
     """One launch: a flat (casting) copy into row ``rank``."""
     require_triton()
-    check_all_gather_copy_in(sharded, all_gather_output, rank)
+    if checked:  # [Note: Trusted calls]
+        check_all_gather_copy_in(sharded, all_gather_output, rank)
+    else:
+        _check_cast(sharded, all_gather_output)
     if sharded.numel() == 0:
         return
     # Casts are between float dtypes, which kernel_view keeps as they are.

@@ -174,15 +174,18 @@ def torch_all_gather_copy_out(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     chunk_numel: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """Reference. Into the group buffer: one gather by a cached element index
     ([Note: Cached CPU indices]), no loop over params or ranks (the tile table
     is only checked). Per-param outputs by one strided copy each.
     With ``chunk_numel``, one strided copy per param ([Note: Chunked copies])."""
-    check_all_gather_copy_out(
-        all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len, chunk_numel,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_all_gather_copy_out(
+            all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
+            tile_param, tile_start, tile_len, chunk_numel,
+        )  # fmt: skip
     world_size, row_numel = all_gather_output.shape
     all_gather_output, out = bits(all_gather_output), list(map(bits, out))
     if chunk_numel is not None:
@@ -190,7 +193,8 @@ def torch_all_gather_copy_out(
                           chunk_numel)  # fmt: skip
         return
     if len(out) == 1:
-        _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
+        if checked:
+            _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
         index = copy_out_index(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
         )
@@ -211,7 +215,8 @@ def torch_all_gather_copy_out(
     # would add to the step's peak).
     numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
     padded = host_table(padded_numel)
-    _check_output_sizes(out, numel, padded, world_size)
+    if checked:
+        _check_output_sizes(out, numel, padded, world_size)
     for t, r, n in zip(out, row_offsets.tolist(), padded.tolist(), strict=True):
         t.view(world_size, n).copy_(all_gather_output[:, r : r + n])
 
@@ -321,13 +326,16 @@ def triton_all_gather_copy_out(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     chunk_numel: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """One launch, grid (tiles, world size), whatever the number of params."""
     require_triton()
-    check_all_gather_copy_out(
-        all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len, chunk_numel,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_all_gather_copy_out(
+            all_gather_output, out, row_offsets, unsharded_offsets, padded_numel,
+            tile_param, tile_start, tile_len, chunk_numel,
+        )  # fmt: skip
     num_tiles = tile_param.numel()
     if num_tiles == 0 or all_gather_output.shape[0] == 0:
         return
@@ -337,8 +345,9 @@ def triton_all_gather_copy_out(
     # would silently miss elements. Checked on the tables' host copies.
     if per_param:
         numel = np.fromiter(map(torch.Tensor.numel, out), np.int64, len(out))
-        _check_output_sizes(out, numel, host_table(padded_numel), world_size)
-    else:
+        if checked:
+            _check_output_sizes(out, numel, host_table(padded_numel), world_size)
+    elif checked:
         _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
     dtype = all_gather_output.dtype
     all_gather_output, words = kernel_view(all_gather_output)

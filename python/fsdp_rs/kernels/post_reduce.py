@@ -53,6 +53,15 @@ def check_post_reduce(
             f"sharded_grad has {sharded_grad.numel()}; both must hold plan.row_numel elements"
         )
     check_divide_factor(OP, divide_factor)
+    _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+
+
+def _check_arithmetic(
+    reduce_scatter_output: torch.Tensor,
+    sharded_grad: torch.Tensor,
+    divide_factor: float,
+    accumulate: bool,
+) -> None:
     check_arithmetic(
         OP,
         ("reduce_scatter_output", reduce_scatter_output.dtype),
@@ -68,9 +77,14 @@ def torch_post_reduce(
     sharded_grad: torch.Tensor,
     divide_factor: float = 1.0,
     accumulate: bool = False,
+    *,
+    checked: bool = True,
 ) -> None:
     """Reference: ``grad (+)= (output / divide_factor).to(orig dtype)``."""
-    check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    if checked:  # [Note: Trusted calls]
+        check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    else:
+        _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
     if reduce_scatter_output.dtype == sharded_grad.dtype:  # raw bits when nothing else
         reduce_scatter_output, sharded_grad = bits(reduce_scatter_output), bits(sharded_grad)
     reduced = reduce_scatter_output
@@ -110,10 +124,15 @@ def triton_post_reduce(
     sharded_grad: torch.Tensor,
     divide_factor: float = 1.0,
     accumulate: bool = False,
+    *,
+    checked: bool = True,
 ) -> None:
     """One launch over the row; see [Note: Division by a scalar]."""
     require_triton()
-    check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    if checked:  # [Note: Trusted calls]
+        check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    else:
+        _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
     if sharded_grad.numel() == 0:
         return
     # Arithmetic is between float dtypes, which kernel_view keeps as they are.

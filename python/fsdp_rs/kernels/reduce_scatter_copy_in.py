@@ -113,6 +113,12 @@ def check_reduce_scatter_copy_in(
             "entry per param in plan order (None for a param without a gradient)"
         )
     check_divide_factor(OP, divide_factor)
+    _check_arithmetic(grads, reduce_scatter_input, divide_factor)
+
+
+def _check_arithmetic(
+    grads: Sequence[torch.Tensor | None], reduce_scatter_input: torch.Tensor, divide_factor: float
+) -> None:
     check_arithmetic(
         OP,
         ("each gradient", _grad_dtype(grads) or reduce_scatter_input.dtype),
@@ -270,15 +276,20 @@ def torch_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
     chunk_numel: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """Reference: the gradients flattened and concatenated (zeros of ``W * n``
     elements standing in for a missing one), then one gather by a cached index
     ([Note: Cached CPU indices]) writes every row, padding and gaps included;
     with ``chunk_numel``, one strided copy per gradient. Then ``div_``."""
-    check_reduce_scatter_copy_in(
-        grads, reduce_scatter_input, row_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor, chunk_numel,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_reduce_scatter_copy_in(
+            grads, reduce_scatter_input, row_offsets, padded_numel,
+            tile_param, tile_start, tile_len, divide_factor, chunk_numel,
+        )  # fmt: skip
+    else:
+        _check_arithmetic(grads, reduce_scatter_input, divide_factor)
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
@@ -411,13 +422,18 @@ def triton_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
     chunk_numel: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """One launch, grid (tiles, world size); see [Note: Pointer tables]."""
     require_triton()
-    check_reduce_scatter_copy_in(
-        grads, reduce_scatter_input, row_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor, chunk_numel,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_reduce_scatter_copy_in(
+            grads, reduce_scatter_input, row_offsets, padded_numel,
+            tile_param, tile_start, tile_len, divide_factor, chunk_numel,
+        )  # fmt: skip
+    else:
+        _check_arithmetic(grads, reduce_scatter_input, divide_factor)
     num_tiles = tile_param.numel()
     if num_tiles == 0:
         return

@@ -76,6 +76,12 @@ def check_reduce_scatter_copy_in_flat(
         ],
     )
     check_divide_factor(OP, divide_factor)
+    _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
+
+
+def _check_arithmetic(
+    grad_buffer: torch.Tensor, reduce_scatter_input: torch.Tensor, divide_factor: float
+) -> None:
     check_arithmetic(
         OP,
         ("grad_buffer", grad_buffer.dtype),
@@ -95,14 +101,19 @@ def torch_reduce_scatter_copy_in_flat(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    *,
+    checked: bool = True,
 ) -> None:
     """Reference: one gather by a cached index ([Note: Cached CPU indices]), a
     zero fill of the gap elements, then ``div_``; per parameter where the index
     is over the cache's budget."""
-    check_reduce_scatter_copy_in_flat(
-        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_reduce_scatter_copy_in_flat(
+            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+            tile_param, tile_start, tile_len, divide_factor,
+        )  # fmt: skip
+    else:
+        _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
     world_size, row_numel = reduce_scatter_input.shape
     if grad_buffer.dtype == reduce_scatter_input.dtype:  # raw bits ([Note: Raw copies])
         grad_buffer, reduce_scatter_input = bits(grad_buffer), bits(reduce_scatter_input)
@@ -116,7 +127,7 @@ def torch_reduce_scatter_copy_in_flat(
         needed = max((u + world_size * n for _, u, n in blocks), default=0)
     else:
         src, gaps, needed = index
-    if grad_buffer.numel() < needed:
+    if checked and grad_buffer.numel() < needed:
         raise ValueError(
             f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
             f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
@@ -193,13 +204,18 @@ def triton_reduce_scatter_copy_in_flat(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    *,
+    checked: bool = True,
 ) -> None:
     """One launch, grid (tiles, world size), whatever the number of params."""
     require_triton()
-    check_reduce_scatter_copy_in_flat(
-        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
-        tile_param, tile_start, tile_len, divide_factor,
-    )  # fmt: skip
+    if checked:  # [Note: Trusted calls]
+        check_reduce_scatter_copy_in_flat(
+            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+            tile_param, tile_start, tile_len, divide_factor,
+        )  # fmt: skip
+    else:
+        _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
     num_tiles = tile_param.numel()
     if num_tiles == 0 or reduce_scatter_input.shape[0] == 0:
         return

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fsdp_rs._core import GroupPlan
-from fsdp_rs.kernels._checks import keep_host, keep_param_numel
+from fsdp_rs.kernels._checks import check_layout_tables, keep_host, keep_param_numel
 
 __all__ = ["GroupTables"]
 
@@ -48,7 +48,7 @@ class GroupTables:
             warnings.simplefilter("ignore", UserWarning)
             padded_numel = _tensor(plan.padded_sharded_numel, device)
             keep_param_numel(padded_numel, plan.numel)  # for the ops' size checks
-            return cls(
+            tables = cls(
                 plan,
                 _tensor(plan.row_offsets, device),
                 _tensor(plan.unsharded_offsets, device),
@@ -57,6 +57,9 @@ class GroupTables:
                 _tensor(plan.tile_start, device),
                 _tensor(plan.tile_len, device),
             )
+        # Checked once here; the runtime's op calls trust them ([Note: Trusted calls]).
+        check_layout_tables("GroupTables", *tables.copy_out_args())
+        return tables
 
     def copy_out_args(self) -> tuple[torch.Tensor, ...]:
         """Table arguments of ``all_gather_copy_out``."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 __all__ = [
     "Division",
@@ -28,8 +29,68 @@ __all__ = [
 
 # torch >= 2.13 names the flat-tensor collectives *_single; older ones only
 # have the *_into_tensor / *_tensor names (deprecated since).
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# [Note: Direct collectives]
+# torch.distributed's Python entry points (``all_gather_single`` and
+# ``reduce_scatter_single``, behind a logging decorator) cost about 7 us per call
+# above the process group's own method: a torch-function check, argument checks,
+# the default-group lookup, the coalescing-context lookup, the options object.
+# The runtime issues two or three per group per step on plain, contiguous flat
+# tensors of a group it holds, so it calls the process group's method itself
+# with the same options. Anything else takes torch's entry point: a tensor
+# subclass (torch-function modes and subclasses dispatch there), complex
+# tensors (viewed as real there), no group (the default one) or not a
+# ``ProcessGroup``, and a group
+# inside a ``_coalescing_manager`` (which records instead of issuing).
+_PG = dist.ProcessGroup
+_PG_ALL_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+_PG_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+_COALESCING = dist.distributed_c10d._world.pg_coalesce_state
+_HAS_ASYNC_OPT = hasattr(AllgatherOptions(), "asyncOp")
+_PLAIN = torch.Tensor
+
+
+def _direct(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor) -> bool:
+    return (
+        type(output) is _PLAIN
+        and type(input) is _PLAIN
+        and isinstance(group, _PG)
+        and not input.is_complex()
+        and group not in _COALESCING
+    )
+
+
+def _finish(work, async_op: bool):
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def all_gather(output_tensor, input_tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_single(output_tensor, input_tensor, group, async_op)``;
+    see [Note: Direct collectives]."""
+    if not _direct(group, output_tensor, input_tensor):
+        return _dist_all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+    opts = AllgatherOptions()
+    if _HAS_ASYNC_OPT:
+        opts.asyncOp = async_op
+    return _finish(_PG_ALL_GATHER(group, output_tensor, input_tensor, opts), async_op)
+
+
+def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """``dist.reduce_scatter_single(output, input, op, group, async_op)``; see
+    [Note: Direct collectives]."""
+    if not _direct(group, output, input):
+        return _dist_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    opts = ReduceScatterOptions()
+    opts.reduceOp = op
+    if _HAS_ASYNC_OPT:
+        opts.asyncOp = async_op
+    return _finish(_PG_REDUCE_SCATTER(group, output, input, opts), async_op)
 
 
 @dataclass(frozen=True)

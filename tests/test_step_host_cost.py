@@ -1,0 +1,155 @@
+"""The training step's host cost is O(groups) ([Note: Trusted calls] in
+``ops/copies.py``, [Note: Direct collectives] in ``runtime/collectives.py``):
+counted as Python function calls, not timed, so that the test is exact on a
+noisy machine. ``python -m fsdp_rs.bench step`` measures the time."""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_rs
+from fsdp_rs.bench.training import BenchModel, shard_model
+from fsdp_rs.optim import FlatOptimizer
+from fsdp_rs.runtime import collectives
+
+ROOT = os.path.dirname(fsdp_rs.__file__)
+TORCH = os.path.dirname(torch.__file__)
+# What a sharding library runs per step: its own code, torch.distributed
+# (DTensor, c10d) and autograd's Python. The model's own forward (the bench
+# model iterates a ParameterList in Python) and ``Module.zero_grad`` (which the
+# unsharded model pays alike) are per parameter by construction, and not
+# counted.
+COUNTED = (
+    ROOT + os.sep,
+    os.path.join(TORCH, "distributed") + os.sep,
+    os.path.join(TORCH, "autograd") + os.sep,
+    os.path.join(TORCH, "optim") + os.sep,
+)
+
+
+@pytest.fixture
+def fake_pg_8():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def _calls_per_step(groups: int, per_group: int) -> collections.Counter:
+    """Python calls of one training step (``zero_grad(set_to_none=True)``,
+    forward, backward, a ``FlatOptimizer`` step) by function, after two
+    warm-up steps."""
+    torch.manual_seed(0)
+    model = BenchModel(groups * per_group, per_group)
+    shard_model(model, "fsdp_rs")
+    opt = FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    step()
+    step()
+    calls: collections.Counter = collections.Counter()
+    bench = os.path.join(ROOT, "bench") + os.sep
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            name = frame.f_code.co_filename
+            if name.startswith(COUNTED) and not name.startswith(bench):
+                calls[(name, frame.f_code.co_name)] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_step_python_calls_do_not_grow_with_parameters(fake_pg_8) -> None:
+    few, many = _calls_per_step(4, 10), _calls_per_step(4, 200)
+    grown = {
+        f"{os.path.relpath(k[0], TORCH if k[0].startswith(TORCH) else ROOT)}:{k[1]}": (
+            few[k],
+            many[k],
+        )
+        for k in few.keys() | many.keys()
+        if few[k] != many[k]
+    }
+    assert not grown, f"Python calls per step grew with parameters per group: {grown}"
+    assert sum(few.values()) > 0
+
+
+def test_step_runs_no_table_checks(fake_pg_8, monkeypatch) -> None:
+    """The copy ops the runtime calls trust the tables ``GroupTables``
+    checked when planned: a step checks no table (it checked about 17 per
+    group per step before)."""
+    from fsdp_rs.kernels import _checks
+
+    calls = _calls_per_step(3, 5)
+    checks = {k[1]: n for k, n in calls.items() if k[0] == _checks.__file__}
+    for name in ("check_table", "check_layout_tables", "check_tile_table", "check_buffer"):
+        assert name not in checks, f"{name} ran {checks[name]} times in one step"
+
+
+def test_step_calls_process_groups_directly(fake_pg_8) -> None:
+    """The all-gathers and reduce-scatters of a step skip torch.distributed's
+    Python entry points ([Note: Direct collectives]); what remains there per
+    step (the gradient agreement) does not grow with the number of groups."""
+    c10d = os.path.join(TORCH, "distributed", "distributed_c10d.py")
+    few = _calls_per_step(2, 3)
+    many = _calls_per_step(12, 3)
+    for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor"):
+        assert (c10d, name) not in many
+    entry = {k: n for k, n in many.items() if k[0] == c10d}
+    assert entry == {k: n for k, n in few.items() if k[0] == c10d}
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+@pytest.mark.parametrize("which", ["subclass", "complex", "no_group"])
+def test_collectives_fall_back_to_torch(fake_pg_8, monkeypatch, which) -> None:
+    """What the direct call does not cover goes through torch's entry point."""
+    gather, scatter = _Recorder(), _Recorder()
+    monkeypatch.setattr(collectives, "_dist_all_gather", gather)
+    monkeypatch.setattr(collectives, "_dist_reduce_scatter", scatter)
+    group = dist.new_group(list(range(8)))
+    dtype = torch.complex64 if which == "complex" else torch.float32
+    out, inp = torch.zeros(16, dtype=dtype), torch.ones(2, dtype=dtype)
+    if which == "subclass":
+        inp = torch.nn.Parameter(inp, requires_grad=False)
+    if which == "no_group":
+        group = None
+    collectives.all_gather(out, inp, group=group)
+    collectives.reduce_scatter(inp, out, group=group)
+    assert len(gather.calls) == 1 and len(scatter.calls) == 1
+
+
+def test_collectives_direct_on_plain_tensors(fake_pg_8, monkeypatch) -> None:
+    gather, scatter = _Recorder(), _Recorder()
+    monkeypatch.setattr(collectives, "_dist_all_gather", gather)
+    monkeypatch.setattr(collectives, "_dist_reduce_scatter", scatter)
+    group = dist.new_group(list(range(8)))
+    out, inp = torch.zeros(16), torch.ones(2)
+    assert collectives.all_gather(out, inp, group=group) is None
+    work = collectives.all_gather(out, inp, group=group, async_op=True)
+    assert work is not None
+    work.wait()
+    assert collectives.reduce_scatter(inp, out, op=dist.ReduceOp.AVG, group=group) is None
+    assert not gather.calls and not scatter.calls
