@@ -18,6 +18,8 @@ _RUNTIME = (
     "OffloadPolicy",
     "UnshardHandle",
     "activation_profile",
+    "auto_shard",
+    "auto_shard_groups",
     "fully_shard",
     "predict_memory",
     "register_fsdp_forward_method",

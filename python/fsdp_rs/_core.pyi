@@ -220,3 +220,13 @@ def peak_memory(
     ``reshard_after_forward`` one bool for every group or one per group.
     Keys: ``persistent`` (sharded bytes plus ``resident_bytes``), ``forward``,
     ``backward`` (the most held on top of it in each pass), ``peak``."""
+
+def module_groups(
+    unit_bytes: Int64Array, boundary_before: bool | BoolArray, group_bytes: int
+) -> Int64Array:
+    """The group of each module unit (ids from 0, rising by one per group):
+    consecutive units merged while a group's unsharded bytes stay within
+    ``group_bytes``; a unit over it alone; ``boundary_before[i]`` starts a new
+    group at unit ``i``. See [Note: Module grouping] in
+    ``rust/planner/src/modules.rs``. ValueError for ``group_bytes < 1``, a
+    negative byte count or arrays of different lengths."""

@@ -14,13 +14,15 @@ caller's ``finalize_backward``),
 on what they planned, at lazy init), ``compile`` (what Dynamo must not trace),
 ``containers`` (tensors in module inputs and outputs), ``comms`` and
 ``comm_api`` (custom collectives and the methods that set them), ``api``
-(``fully_shard`` and ``FSDPModule``), ``memory_plan`` (a step's peak memory,
+(``fully_shard`` and ``FSDPModule``), ``auto_shard`` (``fully_shard`` over a
+whole model in groups the planner chooses), ``memory_plan`` (a step's peak memory,
 predicted from the plans before it runs) and ``activation_profile`` (what the
 forward leaves for backward, measured on a copy that holds no memory).
 """
 
 from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations, activation_profile
 from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_rs.runtime.auto_shard import auto_shard, auto_shard_groups
 from fsdp_rs.runtime.comm_api import share_comm_ctx
 from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.memory_plan import predict_memory
@@ -36,6 +38,8 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "activation_profile",
+    "auto_shard",
+    "auto_shard_groups",
     "fully_shard",
     "predict_memory",
     "register_fsdp_forward_method",

@@ -64,6 +64,11 @@ def _gc_paused(fn: Callable) -> Callable:
     return wrapper
 
 
+def is_managed(param: nn.Parameter) -> bool:
+    """Whether a ``fully_shard`` call of fsdp-rs took ``param`` into a group."""
+    return hasattr(param, _OWNER_ATTR)
+
+
 @_gc_paused
 def fully_shard(
     module: nn.Module | list[nn.Module],

@@ -58,6 +58,10 @@ pub enum PlanError {
     },
     /// A negative prefetch depth or resident byte count (memory model).
     NegativeCount { name: &'static str, value: i64 },
+    /// A module-group byte budget below 1 (module grouping).
+    GroupBudget { budget: i64 },
+    /// Per-unit arrays of different lengths (module grouping).
+    UnitLengths { bytes: usize, boundaries: usize },
 }
 
 impl fmt::Display for PlanError {
@@ -147,6 +151,16 @@ impl fmt::Display for PlanError {
             Self::NegativeCount { name, value } => {
                 write!(f, "{name} must be >= 0, got {value}")
             }
+            Self::GroupBudget { budget } => write!(
+                f,
+                "group_bytes must be >= 1, got {budget}: pass the unsharded bytes a group may \
+                 hold (e.g. 2**27 for 128 MiB)"
+            ),
+            Self::UnitLengths { bytes, boundaries } => write!(
+                f,
+                "unit_bytes has {bytes} entries but boundary_before has {boundaries}: pass one \
+                 entry per module in both"
+            ),
         }
     }
 }

@@ -9,6 +9,8 @@
 //! - [`peak_memory`]: peak bytes over a sequence of groups ([Note: Memory model]).
 //! - [`GroupPlan::fingerprint`]: a rank-independent digest of a plan, compared
 //!   across ranks before the first collective ([Note: Plan fingerprints]).
+//! - [`module_groups`]: which consecutive modules share one `fully_shard` group
+//!   ([Note: Module grouping]).
 
 pub mod alloc;
 mod arith;
@@ -17,6 +19,7 @@ mod fingerprint;
 mod flat;
 mod group;
 mod memory;
+mod modules;
 mod parallel;
 mod shapes;
 
@@ -25,4 +28,5 @@ pub use fingerprint::Fingerprint;
 pub use flat::{FlatPlan, NOT_IN_SHARD};
 pub use group::{BufferBytes, GroupConfig, GroupPlan, DEFAULT_ALIGNMENT, DEFAULT_TILE_NUMEL};
 pub use memory::{peak_memory, GroupBytes, PeakMemory, Schedule};
+pub use modules::module_groups;
 pub use shapes::Shapes;

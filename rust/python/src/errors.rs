@@ -26,7 +26,9 @@ pub fn to_py_err(err: PlanError) -> PyErr {
         | PlanError::AlignedNumel { .. }
         | PlanError::GroupLengths { .. }
         | PlanError::NegativeBytes { .. }
-        | PlanError::NegativeCount { .. } => PyValueError::new_err(err.to_string()),
+        | PlanError::NegativeCount { .. }
+        | PlanError::GroupBudget { .. }
+        | PlanError::UnitLengths { .. } => PyValueError::new_err(err.to_string()),
     }
 }
 

@@ -8,6 +8,7 @@ mod plans;
 use arrays::{bool_vec, int64_vec};
 use errors::run_planner;
 use fsdp_rs_planner as planner;
+use numpy::PyArray1;
 use plans::{FlatPlan, GroupPlan};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -175,6 +176,22 @@ fn peak_memory<'py>(
     Ok(out)
 }
 
+/// The group of each module unit, consecutive units merged up to `group_bytes`
+/// (see `_core.pyi` and [Note: Module grouping]).
+#[pyfunction]
+fn module_groups<'py>(
+    py: Python<'py>,
+    unit_bytes: &Bound<'py, PyAny>,
+    boundary_before: &Bound<'py, PyAny>,
+    group_bytes: i64,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let bytes = int64_vec(unit_bytes, "unit_bytes")?;
+    let boundaries = bool_vec(boundary_before, bytes.len(), "boundary_before")?;
+    let groups =
+        py.detach(|| run_planner(|| planner::module_groups(&bytes, &boundaries, group_bytes)))?;
+    Ok(PyArray1::from_vec(py, groups))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -185,5 +202,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_group, m)?)?;
     m.add_function(wrap_pyfunction!(plan_flat, m)?)?;
     m.add_function(wrap_pyfunction!(peak_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(module_groups, m)?)?;
     Ok(())
 }
