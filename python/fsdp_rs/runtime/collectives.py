@@ -44,9 +44,14 @@ _dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # tensors (viewed as real there), no group (the default one) or not a
 # ``ProcessGroup``, and a group
 # inside a ``_coalescing_manager`` (which records instead of issuing).
+# The method torch's entry point calls, looked up on the group object as it
+# does: a process group written in Python (torch's threaded one, for ranks as
+# threads) overrides it.
 _PG = dist.ProcessGroup
-_PG_ALL_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
-_PG_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+_PG_ALL_GATHER = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
+_PG_REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single") else "_reduce_scatter_base"
+)
 _COALESCING = dist.distributed_c10d._world.pg_coalesce_state
 _HAS_ASYNC_OPT = hasattr(AllgatherOptions(), "asyncOp")
 _PLAIN = torch.Tensor
@@ -78,7 +83,8 @@ def all_gather(output_tensor, input_tensor, group=None, async_op: bool = False):
     opts = AllgatherOptions()
     if _HAS_ASYNC_OPT:
         opts.asyncOp = async_op
-    return _finish(_PG_ALL_GATHER(group, output_tensor, input_tensor, opts), async_op)
+    work = getattr(group, _PG_ALL_GATHER)(output_tensor, input_tensor, opts)
+    return _finish(work, async_op)
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
@@ -90,7 +96,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op: bo
     opts.reduceOp = op
     if _HAS_ASYNC_OPT:
         opts.asyncOp = async_op
-    return _finish(_PG_REDUCE_SCATTER(group, output, input, opts), async_op)
+    return _finish(getattr(group, _PG_REDUCE_SCATTER)(output, input, opts), async_op)
 
 
 @dataclass(frozen=True)
