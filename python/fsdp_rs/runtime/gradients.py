@@ -207,6 +207,9 @@ class GradientReduction:
         # CI runs under the stream simulator, tests/test_streams.py).
         self.preplace_grads = True
         self._placed = False  # the aliases are the unsharded params' .grad now
+        # The backward (graph task id) in which placing was found not to fit, or
+        # None: [Note: One placement check per backward]
+        self._declined_in: int | None = None
         # The aliases' version counters when placed; only autograd's additions
         # move them, so the post-backward's reading serves the next placement.
         self._versions: list[int] | None = None
@@ -275,9 +278,20 @@ class GradientReduction:
             return
         if not self.preplace_grads or self._placed:
             return
-        if not params or not all(map(is_none, get_grads(params))):
+        # [Note: One placement check per backward]
+        # A group over several modules (``fully_shard([...])``, ``auto_shard``)
+        # runs this at each module's pre-backward. Whether its gradients can be
+        # placed is read once per backward: reading every parameter's ``.grad``
+        # at each of M modules cost O(M * P) per step (a group of 1,000 Linears
+        # spent most of its backward here). What would let a later module
+        # place (another group's reduction freeing room) leaves this backward
+        # on the per-gradient path, FSDP2's own, with the same results; this
+        # group's post-backward reads the question anew.
+        task = torch._C._current_graph_task_id()
+        if self._declined_in == task:
             return
-        if not self._preplace_fits():
+        if not params or not self._preplace_fits() or not all(map(is_none, get_grads(params))):
+            self._declined_in = task
             return
         grad = self.unsharded_grad
         grad.untyped_storage().resize_(grad.numel() * grad.element_size())
@@ -346,6 +360,7 @@ class GradientReduction:
         """Reduce the gradients autograd left on the unsharded parameters into the
         sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
         self.post_backward_done = True
+        self._declined_in = None  # [Note: One placement check per backward]
         # Without sync the gradients wait for a synced post-backward, which
         # finalize_backward() runs ([Note: Manual backward finalization]).
         self.finalize_pending = not self.reduce_grads
