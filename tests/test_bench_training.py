@@ -91,6 +91,23 @@ def test_bench_step(tmp_path: Path) -> None:
     assert "rounds: min-max" in proc.stdout
 
 
+def test_bench_step_linears(tmp_path: Path) -> None:
+    """pytorch/pytorch#173680's shape: one group per nn.Linear, against the
+    groups auto_shard chooses (all of them in one here), the optimizer step
+    included."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--model", "linears", "--params", "40", "--repeat", "1", "--world-size", "2"]
+    proc = _python(["-m", "fsdp_rs.bench", *argv, "--json", str(out)])
+    assert "nn.Linear(8, 8) modules" in proc.stdout
+    (record,) = json.loads(out.read_text())
+    assert record["model"] == "linears" and record["optimizer"] == "adamw"
+    assert record["groups"] == record["torch_groups"] == 21  # 20 Linears and the root
+    assert record["auto_groups"] == 2  # one group of all 20, and the (empty) root
+    assert record["fsdp_rs_auto_s"] == pytest.approx(
+        record["fsdp_rs_auto_step_s"] - record["unsharded_step_s"]
+    )
+
+
 def test_bench_step_default_rounds(tmp_path: Path) -> None:
     """Without --repeat, small models get the many rounds their noise needs."""
     out = tmp_path / "step.json"

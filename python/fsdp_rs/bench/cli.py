@@ -440,13 +440,31 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
         "step",
         help="time the per-step bookkeeping: fsdp-rs against torch FSDP2",
         description=(
-            "Time forward + backward of the same model unsharded, sharded by fsdp-rs and "
-            "by torch FSDP2 (fake process group, rank 0 of W), in rounds (per model one "
+            "Time a training step (zero_grad(set_to_none=True), forward, backward, an AdamW "
+            "step: fsdp-rs's through FlatOptimizer) of the same model unsharded, sharded by "
+            "fsdp-rs and by torch FSDP2 per block, and by fsdp-rs's auto_shard (the planner's "
+            "groups), on a fake process group (rank 0 of W), in rounds (per model one "
             "untimed and two timed steps); the bookkeeping overhead is the median over rounds "
-            "of a library's step time minus the unsharded one."
+            "of a library's step time minus the unsharded one, per parameter and per group."
         ),
     )
     _add_training_options(p, STEP_DEFAULT_PARAMS)
+    p.add_argument(
+        "--model",
+        choices=("blocks", "linears"),
+        default="blocks",
+        help=(
+            "blocks: blocks of --block-params small tensors; linears: --params / 2 "
+            "nn.Linear(8, 8) modules, each its own group (pytorch/pytorch#173680's shape; "
+            "--block-params is ignored) (default: blocks)"
+        ),
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "none"),
+        default="adamw",
+        help="the step's optimizer: foreach AdamW, or none (forward + backward only)",
+    )
     p.add_argument(
         "--repeat",
         metavar="K",
@@ -470,9 +488,14 @@ def _run_training(args: argparse.Namespace) -> int:
     records = []
     default = DEFAULT_PARAMS if args.bench == "init" else STEP_DEFAULT_PARAMS
     mesh = f"mesh (dp={args.world_size // args.tp}, tp={args.tp})" if args.tp > 1 else "1-D"
+    blocks = f"blocks of {args.block_params} params"
+    if args.bench == "step" and args.model == "linears":
+        blocks = "nn.Linear(8, 8) modules (2 params each)"
+    elif args.bench == "step":
+        blocks += f", optimizer {args.optimizer}"
     print(
-        f"{args.bench}: fake process group W={args.world_size} (rank 0), {mesh}, blocks of "
-        f"{args.block_params} params, one fully_shard group per block plus the root; "
+        f"{args.bench}: fake process group W={args.world_size} (rank 0), {mesh}, {blocks}, "
+        "one fully_shard group per block plus the root (auto: auto_shard's groups); "
         "each N in a fresh process",
         flush=True,
     )
@@ -488,8 +511,11 @@ def _run_training(args: argparse.Namespace) -> int:
         else:
             default_rounds = STEP_ROUNDS_SMALL if n <= STEP_SMALL_MAX_PARAMS else STEP_ROUNDS_LARGE
             measure, measure_args = training.bench_step, (*model, args.repeat or default_rounds)
+        options = {"seed": args.seed, "tp": args.tp}
+        if args.bench == "step":
+            options.update(model=args.model, optimizer=args.optimizer)
         with spawn.Pool(1) as worker:
-            record = worker.apply(measure, measure_args, {"seed": args.seed, "tp": args.tp})
+            record = worker.apply(measure, measure_args, options)
         print(f"  N={n}: done", file=sys.stderr, flush=True)
         records.append({**record, **env})
 
@@ -685,6 +711,115 @@ def _run_optim(args: argparse.Namespace) -> int:
     return 0 if all(r["equal"] for r in recs) else 1
 
 
+def _add_modules(subparsers) -> None:
+    p = subparsers.add_parser(
+        "modules",
+        help="many tiny modules on 2 gloo ranks: DDP, FSDP2, fsdp-rs per block, root, auto",
+        description=(
+            "pytorch/pytorch#173680's shape on real ranks: 2 spawned CPU processes (gloo, "
+            "one thread each) train a model of N blocks Sequential(Linear(d, d), "
+            "LayerNorm(d)) with AdamW under each column from the same weights and data: "
+            "ddp (torch DDP), fsdp2 (torch fully_shard per block, then the root), fsdp_rs "
+            "(fsdp_rs.fully_shard per block, then the root), fsdp_rs_root (the root alone), "
+            "fsdp_rs_auto (fsdp_rs.auto_shard, or its grouping by hand where this fsdp-rs "
+            "has none), fsdp_rs_hand (consecutive blocks grouped by hand up to "
+            "--group-bytes, then the root). Prints per column the median step time (the "
+            "slower rank's), its ratio to DDP's, the groups, the collectives of one step, "
+            "the final loss, and with --memory the peak of live tensors per rank over "
+            "sharding and warm-up (MemTracker). Exits 1 if the sharded columns' losses differ."
+        ),
+    )
+    p.add_argument("--blocks", type=positive_int, default=300, metavar="N", help="(default: 300)")
+    p.add_argument("--dim", type=positive_int, default=16, metavar="D", help="(default: 16)")
+    p.add_argument(
+        "--steps", type=positive_int, default=10, help="timed steps per column (default: 10)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed steps first (default: 2)"
+    )
+    p.add_argument(
+        "--group-bytes",
+        type=positive_int,
+        default=2**20,
+        metavar="B",
+        help="unsharded bytes per group of fsdp_rs_auto and fsdp_rs_hand (default: 1048576)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weight init seed (default: 0)")
+    p.add_argument(
+        "--optimizer",
+        choices=("flat", "adamw"),
+        default="flat",
+        help=(
+            "flat: the fsdp-rs columns step AdamW through fsdp_rs.optim.FlatOptimizer, the "
+            "others torch's AdamW; adamw: torch's AdamW everywhere (default: flat)"
+        ),
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help=(
+            "also each rank's peak of live tensors over sharding and the warm-up steps "
+            "(MemTracker; those then run about 3 times slower, the timed steps do not)"
+        ),
+    )
+    p.add_argument(
+        "--columns",
+        help=(
+            "comma-separated subset of ddp,fsdp2,fsdp_rs,fsdp_rs_root,fsdp_rs_auto,"
+            "fsdp_rs_hand (default: all; fsdp_rs_hand only once fsdp_rs.auto_shard exists)"
+        ),
+    )
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.set_defaults(run=_run_modules, parser=p)
+
+
+def _run_modules(args: argparse.Namespace) -> int:
+    from fsdp_rs.bench import report
+    from fsdp_rs.bench.modules import COLUMNS, SHARDED, WORLD_SIZE, bench_modules, default_columns
+    from fsdp_rs.bench.plan import environment
+
+    if args.columns is None:
+        columns = default_columns()
+    else:
+        columns = tuple(dict.fromkeys(c.strip() for c in args.columns.split(",") if c.strip()))
+        unknown = [c for c in columns if c not in COLUMNS]
+        if unknown or not columns:
+            args.parser.error(f"--columns: unknown {unknown}; choose from {','.join(COLUMNS)}")
+    print(
+        f"modules: {args.blocks} blocks Linear({args.dim}, {args.dim}) + LayerNorm, "
+        f"W={WORLD_SIZE} gloo ranks on CPU, {args.warmup} warm-up + {args.steps} timed "
+        f"steps, median step (slower rank), collectives of one step, optimizer "
+        f"{args.optimizer}",
+        flush=True,
+    )
+    records = bench_modules(
+        columns,
+        blocks=args.blocks,
+        dim=args.dim,
+        steps=args.steps,
+        warmup=args.warmup,
+        group_bytes=args.group_bytes,
+        seed=args.seed,
+        memory=args.memory,
+        optimizer=args.optimizer,
+    )
+    env = environment()
+    records = [{**r, **env} for r in records]
+    print(report.modules_table(records))
+    if args.json:
+        report.write_json(records, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    sharded = [r for r in records if r["column"] in SHARDED]
+    differ = [r["column"] for r in sharded if not r["losses_equal"]]
+    if differ:
+        print(
+            f"error: the losses of {differ} differ from {sharded[0]['losses_equal_to']}'s",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_rs.bench",
@@ -698,6 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step(subparsers)
     _add_memory(subparsers)
     _add_optim(subparsers)
+    _add_modules(subparsers)
     return parser
 
 

@@ -14,6 +14,7 @@ __all__ = [
     "copy_table",
     "format_table",
     "matplotlib_available",
+    "modules_table",
     "plan_tables",
     "plot_copy_speedups",
     "plot_plan_times",
@@ -162,36 +163,85 @@ def init_table(records: Sequence[Record]) -> str:
 
 
 def step_table(records: Sequence[Record]) -> str:
-    """``bench step``: step times and the bookkeeping overhead per step."""
+    """``bench step``: step times, and the bookkeeping overhead per step, per
+    parameter and per group: fsdp-rs and torch FSDP2 per block, and fsdp-rs
+    with ``auto_shard``'s groups (their count beside it)."""
     headers = [
         "n_params",
+        "groups",
         "unsharded ms",
         "fsdp-rs ms",
         "torch ms",
         "fsdp-rs overhead ms",
         "us/param",
+        "us/group",
         "torch overhead ms",
         "us/param",
+        "us/group",
         "speedup",
         "rounds: min-max",
+        "auto ms",
+        "auto groups",
     ]
     rows = []
     for r in records:
-        n = r["n_params"]
+        n, g = r["n_params"], r["groups"]
         per_round = [x for x in r.get("round_speedups", ()) if x is not None]
         spread = f"{min(per_round):.1f}-{max(per_round):.1f}" if per_round else "-"
+        torch_groups = r.get("torch_groups") or g
         rows.append(
             [
                 str(n),
+                str(g),
                 _fmt(_ms(r["unsharded_step_s"]), ".1f"),
                 _fmt(_ms(r["fsdp_rs_step_s"]), ".1f"),
                 _fmt(_ms(r["torch_step_s"]), ".1f"),
                 _fmt(_ms(r["fsdp_rs_s"]), ".1f"),
                 _fmt(r["fsdp_rs_s"] / n * 1e6, ".2f"),
+                _fmt(r["fsdp_rs_s"] / g * 1e6, ".1f"),
                 _fmt(_ms(r["torch_s"]), ".1f"),
                 _fmt(r["torch_s"] / n * 1e6, ".2f"),
+                _fmt(r["torch_s"] / torch_groups * 1e6, ".1f"),
                 _fmt(r["speedup"], ".1f"),
                 spread,
+                _fmt(_ms(r.get("fsdp_rs_auto_step_s")), ".1f"),
+                str(r.get("auto_groups", "-")),
+            ]
+        )
+    return format_table(headers, rows)
+
+
+def modules_table(records: Sequence[Record]) -> str:
+    """``bench modules``: one row per column (rank 0's loss and collectives)."""
+    headers = [
+        "column",
+        "groups",
+        "step ms",
+        "x DDP",
+        "all-gathers",
+        "reduce-scatters",
+        "all-reduces",
+        "peak KiB (r0/r1)",
+        "final loss",
+        "loss equal",
+    ]
+    rows = []
+    for r in records:
+        peaks = r.get("peak_bytes") or []
+        peak = "/".join("-" if b is None else f"{b / 1024:.0f}" for b in peaks) or "-"
+        name = r["column"] + (" (emulated)" if r.get("auto_shard_emulated") else "")
+        rows.append(
+            [
+                name,
+                _fmt(r["groups"], "d"),
+                _fmt(_ms(r["step_s"]), ".2f"),
+                _fmt(r["ratio_to_ddp"], ".2f"),
+                _fmt(r["all_gathers"], "d"),
+                _fmt(r["reduce_scatters"], "d"),
+                _fmt(r["all_reduces"], "d"),
+                peak,
+                _fmt(r["final_loss"], ".9g"),
+                _fmt(r["losses_equal"], ""),
             ]
         )
     return format_table(headers, rows)

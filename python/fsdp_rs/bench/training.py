@@ -12,9 +12,16 @@ tp)``: every parameter is first a DTensor sharded on dim 0 over ``tp`` (as
 tensor parallelism leaves it), then ``fully_shard`` shards it over ``dp`` ([Note:
 DTensor parameters]); the unsharded model has the same DTensor parameters.
 
+``model="linears"`` is pytorch/pytorch#173680's shape instead: a chain of
+``n_params / 2`` ``nn.Linear(8, 8)`` modules (two parameters each), each its
+own ``fully_shard`` group.
+
 [Note: Bookkeeping overhead]
-``bench step`` times forward + backward of three copies of the model (unsharded,
-fsdp-rs, torch FSDP2), with ``zero_grad()`` before each step as in training.
+``bench step`` times a training step of four copies of the model (unsharded,
+fsdp-rs, torch FSDP2, and fsdp-rs with the groups ``auto_shard`` chooses):
+``zero_grad(set_to_none=True)``, forward, backward and, with
+``optimizer="adamw"``, an AdamW step (foreach; fsdp-rs's through
+``FlatOptimizer``, the others per parameter as torch steps them).
 A round runs each model in turn for one untimed step and ``STEPS_PER_ROUND``
 timed ones: consecutive steps of one model, as in training (alternating models
 step by step would also charge every step the cache misses of re-reading its
@@ -44,6 +51,7 @@ from fsdp_rs.bench.timing import fresh_dtensor_caches
 __all__ = [
     "BLOCK_SHAPES",
     "BenchModel",
+    "LinearChain",
     "bench_init",
     "bench_step",
     "fake_process_group",
@@ -98,6 +106,26 @@ class BenchModel(nn.Module):
         return x
 
 
+class LinearChain(nn.Module):
+    """``n_params / 2`` ``nn.Linear(8, 8)`` modules applied in turn: the
+    many-small-modules model of pytorch/pytorch#173680; each is a block."""
+
+    def __init__(self, n_params: int, block_params: int = 2, tp_mesh=None) -> None:
+        super().__init__()
+        if tp_mesh is not None:
+            raise ValueError("the linears model has no tensor-parallel form: use --tp 1")
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(max(1, n_params // 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unsqueeze(-1).expand(*x.shape, 8) if x.dim() == 1 else x
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+MODELS = {"blocks": BenchModel, "linears": LinearChain}
+
+
 def fake_process_group(world_size: int) -> None:
     """Rank 0 of a fake process group of ``world_size`` (replacing any other)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -126,15 +154,40 @@ def meshes(world_size: int, tp: int) -> tuple[Any, Any]:
     return mesh["dp"], mesh["tp"]
 
 
-def shard_model(model: BenchModel, library: str, mesh=None) -> float:
-    """Apply ``library``'s fully_shard per block, then to the root; seconds."""
-    fully_shard = _fully_shard(library)
+def shard_model(model: nn.Module, library: str, mesh=None) -> float:
+    """Apply ``library``'s fully_shard per block, then to the root; seconds.
+    ``fsdp_rs_auto``: fsdp-rs's ``auto_shard`` with its default budget."""
     gc.collect()
     start = time.perf_counter()
+    if library == "fsdp_rs_auto":
+        from fsdp_rs import auto_shard
+
+        auto_shard(model, mesh=mesh)
+        return time.perf_counter() - start
+    fully_shard = _fully_shard(library)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return time.perf_counter() - start
+
+
+def _groups(model: nn.Module) -> int:
+    """fully_shard groups of a sharded model (modules whose class fully_shard
+    swapped; a list call's modules share one state, counted once)."""
+    from fsdp_rs.runtime.params import state_of
+
+    states = {id(state_of(m)) for m in model.modules() if state_of(m) is not None}
+    return len(states) or sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+def _optimizer(model: nn.Module, library: str, optimizer: str):
+    if optimizer == "none":
+        return None
+    if library.startswith("fsdp_rs"):
+        from fsdp_rs.optim import FlatOptimizer
+
+        return FlatOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, foreach=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
 
 def _warm_up() -> None:
@@ -184,58 +237,89 @@ def bench_init(
     }
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> float:
-    model.zero_grad()
+def _step(model: nn.Module, x: torch.Tensor, opt=None) -> float:
     start = time.perf_counter()
+    if opt is None:
+        model.zero_grad(set_to_none=True)
+    else:
+        opt.zero_grad(set_to_none=True)
     model(x).sum().backward()
+    if opt is not None:
+        opt.step()
     return time.perf_counter() - start
 
 
 STEPS_PER_ROUND = 2
+LIBRARIES = ("unsharded", "fsdp_rs", "torch", "fsdp_rs_auto")
 
 
 def bench_step(
-    n_params: int, world_size: int, block_params: int, repeat: int, seed: int = 0, tp: int = 1
+    n_params: int,
+    world_size: int,
+    block_params: int,
+    repeat: int,
+    seed: int = 0,
+    tp: int = 1,
+    model: str = "blocks",
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
-    """Median forward + backward seconds of the unsharded model, fsdp-rs and
-    torch FSDP2; see [Note: Bookkeeping overhead]."""
+    """Median training-step seconds of the unsharded model, fsdp-rs, torch
+    FSDP2 and fsdp-rs grouped by ``auto_shard``; see [Note: Bookkeeping
+    overhead]."""
     fake_process_group(world_size)
     _warm_up()
     dp_mesh, tp_mesh = meshes(world_size, tp)
-    models = {}
-    for library in ("unsharded", "fsdp_rs", "torch"):
+    models, opts, groups = {}, {}, {}
+    for library in LIBRARIES:
         torch.manual_seed(seed)
-        models[library] = BenchModel(n_params, block_params, tp_mesh)
+        models[library] = MODELS[model](n_params, block_params, tp_mesh)
         if library != "unsharded":
             shard_model(models[library], library, dp_mesh)
+            groups[library] = _groups(models[library])
+        opts[library] = _optimizer(models[library], library, optimizer)
     x = torch.randn(4)
-    for model in models.values():  # first step: lazy init, gradient views
-        _step(model, x)
+    for name, m in models.items():  # first step: lazy init, gradient views
+        _step(m, x, opts[name])
     samples: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeat):
-        for name, model in models.items():
+        for name, m in models.items():
             fresh_dtensor_caches()  # [Note: One process, two libraries]
-            _step(model, x)  # untimed: brings this model back into the caches
-            timed = [_step(model, x) for _ in range(STEPS_PER_ROUND)]
+            _step(m, x, opts[name])  # untimed: brings this model back into the caches
+            timed = [_step(m, x, opts[name]) for _ in range(STEPS_PER_ROUND)]
             samples[name].append(statistics.median(timed))
     step = {name: statistics.median(s) for name, s in samples.items()}
     rounds = {
         name: [a - b for a, b in zip(samples[name], samples["unsharded"], strict=True)]
-        for name in ("fsdp_rs", "torch")
+        for name in LIBRARIES[1:]
     }
     fsdp_rs_s = statistics.median(rounds["fsdp_rs"])
     torch_s = statistics.median(rounds["torch"])
+    auto_s = statistics.median(rounds["fsdp_rs_auto"])
+    record = _record("step", n_params, world_size, block_params, tp)
+    if model == "linears":
+        record["block_params"] = 2
+    record["groups"] = groups["fsdp_rs"]
     return {
-        **_record("step", n_params, world_size, block_params, tp),
+        **record,
+        "model": model,
+        "optimizer": optimizer,
         "repeat": repeat,
         "unsharded_step_s": step["unsharded"],
         "fsdp_rs_step_s": step["fsdp_rs"],
         "torch_step_s": step["torch"],
+        "fsdp_rs_auto_step_s": step["fsdp_rs_auto"],
+        "auto_groups": groups["fsdp_rs_auto"],
+        "torch_groups": groups["torch"],
         "fsdp_rs_s": fsdp_rs_s,
         "torch_s": torch_s,
+        "fsdp_rs_auto_s": auto_s,
         "speedup": torch_s / fsdp_rs_s if fsdp_rs_s > 0 else None,
         # per round, to show the machine's noise: the overheads and their ratio
         "fsdp_rs_round_s": rounds["fsdp_rs"],
         "torch_round_s": rounds["torch"],
-        "round_speedups": [t / f if f > 0 else None for f, t in zip(*rounds.values(), strict=True)],
+        "fsdp_rs_auto_round_s": rounds["fsdp_rs_auto"],
+        "round_speedups": [
+            t / f if f > 0 else None
+            for f, t in zip(rounds["fsdp_rs"], rounds["torch"], strict=True)
+        ],
     }
