@@ -123,7 +123,7 @@ class _Recorder:
         self.calls.append((args, kwargs))
 
 
-@pytest.mark.parametrize("which", ["subclass", "complex", "no_group"])
+@pytest.mark.parametrize("which", ["subclass", "complex", "no_group", "coalescing"])
 def test_collectives_fall_back_to_torch(fake_pg_8, monkeypatch, which) -> None:
     """What the direct call does not cover goes through torch's entry point."""
     gather, scatter = _Recorder(), _Recorder()
@@ -136,8 +136,14 @@ def test_collectives_fall_back_to_torch(fake_pg_8, monkeypatch, which) -> None:
         inp = torch.nn.Parameter(inp, requires_grad=False)
     if which == "no_group":
         group = None
-    collectives.all_gather(out, inp, group=group)
-    collectives.reduce_scatter(inp, out, group=group)
+    coalescing = dist.distributed_c10d._world.pg_coalesce_state
+    if which == "coalescing":  # as inside torch's _coalescing_manager
+        coalescing[group] = []
+    try:
+        collectives.all_gather(out, inp, group=group)
+        collectives.reduce_scatter(inp, out, group=group)
+    finally:
+        coalescing.pop(group, None)
     assert len(gather.calls) == 1 and len(scatter.calls) == 1
 
 

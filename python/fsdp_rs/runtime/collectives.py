@@ -38,33 +38,37 @@ _dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # above the process group's own method: a torch-function check, argument checks,
 # the default-group lookup, the coalescing-context lookup, the options object.
 # The runtime issues two or three per group per step on plain, contiguous flat
-# tensors of a group it holds, so it calls the process group's method itself
-# with the same options. Anything else takes torch's entry point: a tensor
+# tensors of a group it holds, so it calls the process group's method itself,
+# the one torch's entry point calls, on the group object as it does (a process
+# group written in Python, torch's threaded one for ranks as threads, overrides
+# it), with the same options. Anything else takes torch's entry point: a tensor
 # subclass (torch-function modes and subclasses dispatch there), complex
-# tensors (viewed as real there), no group (the default one) or not a
-# ``ProcessGroup``, and a group
-# inside a ``_coalescing_manager`` (which records instead of issuing).
-# The method torch's entry point calls, looked up on the group object as it
-# does: a process group written in Python (torch's threaded one, for ranks as
-# threads) overrides it.
+# tensors (viewed as real there), no group (the default one) or an object that
+# is not a ``ProcessGroup``, and a group inside a ``_coalescing_manager`` (which
+# records instead of issuing; read from torch's world at each call, which
+# torch's thread isolation makes per thread).
 _PG = dist.ProcessGroup
 _PG_ALL_GATHER = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
 _PG_REDUCE_SCATTER = (
     "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single") else "_reduce_scatter_base"
 )
-_COALESCING = dist.distributed_c10d._world.pg_coalesce_state
+_C10D = dist.distributed_c10d
 _HAS_ASYNC_OPT = hasattr(AllgatherOptions(), "asyncOp")
 _PLAIN = torch.Tensor
 
 
 def _direct(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor) -> bool:
-    return (
+    if not (
         type(output) is _PLAIN
         and type(input) is _PLAIN
         and isinstance(group, _PG)
         and not input.is_complex()
-        and group not in _COALESCING
-    )
+    ):
+        return False
+    world = _C10D._world
+    # torch's world holds the dict itself; the threaded one (per thread) a property
+    coalescing = getattr(world, "_pg_coalesce_state", None)
+    return group not in (world.pg_coalesce_state if coalescing is None else coalescing)
 
 
 def _finish(work, async_op: bool):
