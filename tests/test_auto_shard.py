@@ -114,6 +114,15 @@ def test_user_sharded_modules_keep_their_groups(fake_pg_2) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_example_inputs_with_user_sharded_modules_raise(fake_pg_2) -> None:
+    """A recording forward would make the sharded module a root of its own."""
+    model = _blocks(3)
+    fully_shard(model[1])
+    with pytest.raises(ValueError, match="example_inputs cannot order a model"):
+        auto_shard(model, example_inputs=(torch.zeros(1, 16),))
+    assert not isinstance(model[0], fsdp_rs.FSDPModule)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

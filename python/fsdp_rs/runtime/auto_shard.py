@@ -154,11 +154,18 @@ def auto_shard_groups(
         boundaries.append(boundary)
         boundary = False
     if example_inputs is not None and units:
+        if any(unit is None for unit, _ in entries):
+            # The recording forward would run those modules' hooks before the
+            # root is sharded, making each of them a root of its own.
+            raise ValueError(
+                "auto_shard: example_inputs cannot order a model some of whose modules were "
+                "already passed to fully_shard (the recording forward would initialize them "
+                "as roots): call fully_shard on them after auto_shard_groups, or leave out "
+                "example_inputs to group in registration order"
+            )
         order = np.argsort(_forward_order(module, units, example_inputs), kind="stable")
         units = [units[i] for i in order]
         sizes = [sizes[i] for i in order]
-        # in forward order, the user's groups are not between units any more
-        boundaries = [False] * len(units)
     sizes_array = np.asarray(sizes, dtype=np.int64)
     ids = module_groups(sizes_array, np.asarray(boundaries, dtype=bool), group_bytes)
     groups: list[list[nn.Module]] = []
