@@ -76,7 +76,7 @@ def _param_bytes(
         seen.add(id(p))
         size = p.element_size()
         if param_dtype is not None and p.is_floating_point():
-            size = torch.empty((), dtype=param_dtype).element_size()
+            size = param_dtype.itemsize
         total += p.numel() * size
     return total
 
