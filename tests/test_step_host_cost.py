@@ -159,3 +159,37 @@ def test_collectives_direct_on_plain_tensors(fake_pg_8, monkeypatch) -> None:
     work.wait()
     assert collectives.reduce_scatter(inp, out, op=dist.ReduceOp.AVG, group=group) is None
     assert not gather.calls and not scatter.calls
+
+
+def _get_grads_per_step(modules: int, monkeypatch) -> int:
+    """Calls of the runtime's ``get_grads`` (one C-level read of every
+    parameter's ``.grad``) in one step of a single group over ``modules``
+    ``nn.Linear`` (``fully_shard([...])``, as ``auto_shard`` makes)."""
+    from fsdp_rs import fully_shard
+    from fsdp_rs.runtime import gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(modules)])
+    fully_shard(list(model))
+    fully_shard(model)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+    calls = [0]
+    real = gradients.get_grads
+
+    def counted(params):
+        calls[0] += 1
+        return real(params)
+
+    monkeypatch.setattr(gradients, "get_grads", counted)
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    return calls[0]
+
+
+def test_a_group_over_many_modules_reads_its_grads_once_per_backward(fake_pg_8, monkeypatch):
+    """[Note: One placement check per backward]: not once per module (which
+    made a group of M modules and P parameters cost O(M * P) per step)."""
+    assert _get_grads_per_step(3, monkeypatch) == _get_grads_per_step(30, monkeypatch)
