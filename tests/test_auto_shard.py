@@ -61,6 +61,14 @@ def test_a_module_over_the_budget_is_split_into_its_children() -> None:
     assert _names(model, groups) == [["0"], ["1"]]
 
 
+def test_a_leaf_over_the_budget_is_a_group_of_its_own() -> None:
+    """An nn.Linear larger than the budget has nothing smaller to split into:
+    it gets a group alone, not the root's."""
+    model = nn.Sequential(nn.Linear(64, 64), *_blocks(5))
+    groups = auto_shard_groups(model, group_bytes=2 * BLOCK_BYTES)
+    assert _names(model, groups) == [["0"], ["1", "2"], ["3", "4"], ["5"]]
+
+
 def test_containers_are_not_units() -> None:
     """A ModuleList has no forward: its elements are the units."""
     model = nn.Module()

@@ -14,8 +14,11 @@ A unit is a module whose whole subtree is sharded together: walking the model
 from the root in registration order, a child whose not-yet-sharded parameters
 fit in ``group_bytes`` is one unit; a larger child is split into its children
 (its own direct parameters then go to the root's group, as with a hand-written
-per-block ``fully_shard``). A module the user already passed to ``fully_shard``
-keeps its group: the walk does not enter it, and no group spans it. Containers
+per-block ``fully_shard``), except where none of its children holds parameters
+to shard (a large ``nn.Linear``): nothing smaller is left, so it is a unit of
+its own, over the budget, and the planner gives it a group alone. A module the
+user already passed to ``fully_shard`` keeps its group: the walk does not enter
+it, and no group spans it. Containers
 without a forward (``ModuleList``, ``ModuleDict``) are never units; their
 elements are. Modules without parameters to shard are left out.
 """
@@ -85,6 +88,11 @@ def _has_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+def _splits(module: nn.Module, ignored: set[int], param_dtype: torch.dtype | None) -> bool:
+    """Whether some child of ``module`` holds parameters to shard."""
+    return any(_param_bytes(c, ignored, param_dtype, set()) for c in module.children())
+
+
 def _units(
     module: nn.Module, group_bytes: int, ignored: set[int], param_dtype: torch.dtype | None
 ) -> list[tuple[nn.Module | None, int]]:
@@ -98,7 +106,8 @@ def _units(
         size = _param_bytes(child, ignored, param_dtype, set())
         if size == 0 and not _has_sharded(child):
             continue
-        if size <= group_bytes and not isinstance(child, _CONTAINERS) and not _has_sharded(child):
+        whole = not isinstance(child, _CONTAINERS) and not _has_sharded(child)
+        if whole and (size <= group_bytes or not _splits(child, ignored, param_dtype)):
             out.append((child, size))
         else:
             out.extend(_units(child, group_bytes, ignored, param_dtype))
