@@ -721,9 +721,9 @@ def _add_modules(subparsers) -> None:
             "LayerNorm(d)) with AdamW under each column from the same weights and data: "
             "ddp (torch DDP), fsdp2 (torch fully_shard per block, then the root), fsdp_rs "
             "(fsdp_rs.fully_shard per block, then the root), fsdp_rs_root (the root alone), "
-            "fsdp_rs_auto (fsdp_rs.auto_shard, or its grouping by hand where this fsdp-rs "
-            "has none), fsdp_rs_hand (consecutive blocks grouped by hand up to "
-            "--group-bytes, then the root). Prints per column the median step time (the "
+            "fsdp_rs_auto (fsdp_rs.auto_shard up to --group-bytes), fsdp_rs_hand "
+            "(fsdp_rs.fully_shard over the groups auto_shard_groups plans, then the "
+            "root). Prints per column the median step time (the "
             "slower rank's), its ratio to DDP's, the groups, the collectives of one step, "
             "the final loss, and with --memory the peak of live tensors per rank over "
             "sharding and warm-up (MemTracker). Exits 1 if the sharded columns' losses differ."
@@ -766,7 +766,7 @@ def _add_modules(subparsers) -> None:
         "--columns",
         help=(
             "comma-separated subset of ddp,fsdp2,fsdp_rs,fsdp_rs_root,fsdp_rs_auto,"
-            "fsdp_rs_hand (default: all; fsdp_rs_hand only once fsdp_rs.auto_shard exists)"
+            "fsdp_rs_hand (default: all)"
         ),
     )
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
@@ -775,11 +775,11 @@ def _add_modules(subparsers) -> None:
 
 def _run_modules(args: argparse.Namespace) -> int:
     from fsdp_rs.bench import report
-    from fsdp_rs.bench.modules import COLUMNS, SHARDED, WORLD_SIZE, bench_modules, default_columns
+    from fsdp_rs.bench.modules import COLUMNS, SHARDED, WORLD_SIZE, bench_modules
     from fsdp_rs.bench.plan import environment
 
     if args.columns is None:
-        columns = default_columns()
+        columns = COLUMNS
     else:
         columns = tuple(dict.fromkeys(c.strip() for c in args.columns.split(",") if c.strip()))
         unknown = [c for c in columns if c not in COLUMNS]

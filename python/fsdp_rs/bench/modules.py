@@ -20,13 +20,10 @@ Columns (``COLUMNS``):
 - ``fsdp2``: torch FSDP2 ``fully_shard`` on every block, then the root;
 - ``fsdp_rs``: ``fsdp_rs.fully_shard`` on every block, then the root;
 - ``fsdp_rs_root``: ``fsdp_rs.fully_shard(model)`` alone: one group;
-- ``fsdp_rs_auto``: ``fsdp_rs.auto_shard(model, group_bytes=B)``; where this
-  fsdp-rs has no ``auto_shard`` it is emulated by hand (``fsdp_rs_hand``'s
-  grouping) and the record says so (``auto_shard_emulated``);
-- ``fsdp_rs_hand``: consecutive blocks grouped by hand into
-  ``fsdp_rs.fully_shard([b1, b2, ...])`` calls of at most ``B`` unsharded bytes
-  each (a block larger than ``B`` alone: [Note: Module grouping]'s greedy
-  rule), then the root.
+- ``fsdp_rs_auto``: ``fsdp_rs.auto_shard(model, group_bytes=B)``;
+- ``fsdp_rs_hand``: the groups ``fsdp_rs.auto_shard_groups`` plans, each
+  passed to ``fsdp_rs.fully_shard([...])`` here, then the root: the same
+  grouping by hand.
 
 The sharded columns compute the same math (the reductions average the same two
 values elementwise, whatever the groups), so their losses must be equal bit for
@@ -68,13 +65,10 @@ from fsdp_rs.bench.timing import fresh_dtensor_caches
 
 __all__ = [
     "COLUMNS",
-    "DEFAULT_COLUMNS",
     "SHARDED",
     "WORLD_SIZE",
     "bench_modules",
-    "default_columns",
     "hand_groups",
-    "has_auto_shard",
     "make_model",
 ]
 
@@ -82,25 +76,12 @@ WORLD_SIZE = 2
 BATCH = 8
 COLUMNS = ("ddp", "fsdp2", "fsdp_rs", "fsdp_rs_root", "fsdp_rs_auto", "fsdp_rs_hand")
 SHARDED = COLUMNS[1:]
-DEFAULT_COLUMNS = COLUMNS[:-1]  # fsdp_rs_hand too once auto_shard exists (default_columns)
 GLOO_TIMEOUT_S = 300  # FSDP2's fully_shard of thousands of blocks takes a while per rank
 
 # Warnings every step of this model would print on every rank: FSDP2's about
 # the root's output being a view of the last block's, and autograd's about a
 # full backward hook on a module whose input needs no gradient.
 _QUIET = ("FSDP2-wrapped module", "Full backward hook is firing")
-
-
-def has_auto_shard() -> bool:
-    import fsdp_rs
-
-    return hasattr(fsdp_rs, "auto_shard")
-
-
-def default_columns() -> tuple[str, ...]:
-    """Every column but ``fsdp_rs_hand``, which joins once ``auto_shard``
-    exists (before, ``fsdp_rs_auto`` is that same grouping)."""
-    return COLUMNS if has_auto_shard() else DEFAULT_COLUMNS
 
 
 def make_model(blocks: int, dim: int, seed: int = 0) -> nn.Sequential:
@@ -114,19 +95,12 @@ def _bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def hand_groups(blocks: Sequence[nn.Module], group_bytes: int) -> list[list[nn.Module]]:
-    """Consecutive blocks merged while a group's unsharded bytes stay within
-    ``group_bytes``; a block over it alone ([Note: Module grouping])."""
-    groups: list[list[nn.Module]] = []
-    held = 0
-    for block in blocks:
-        size = _bytes(block)
-        if not groups or held + size > group_bytes:
-            groups.append([])
-            held = 0
-        groups[-1].append(block)
-        held += size
-    return groups
+def hand_groups(model: nn.Module, group_bytes: int) -> list[list[nn.Module]]:
+    """The groups ``auto_shard`` would make of ``model`` ([Note: Module
+    grouping]), for the ``fsdp_rs_hand`` column to shard by hand."""
+    import fsdp_rs
+
+    return fsdp_rs.auto_shard_groups(model, group_bytes=group_bytes)
 
 
 def _shard(column: str, model: nn.Sequential, mesh, group_bytes: int) -> nn.Module:
@@ -137,7 +111,7 @@ def _shard(column: str, model: nn.Sequential, mesh, group_bytes: int) -> nn.Modu
         return DistributedDataParallel(model)
     import fsdp_rs
 
-    if column == "fsdp_rs_auto" and has_auto_shard():
+    if column == "fsdp_rs_auto":
         return fsdp_rs.auto_shard(model, group_bytes=group_bytes, mesh=mesh)
     if column == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -146,8 +120,8 @@ def _shard(column: str, model: nn.Sequential, mesh, group_bytes: int) -> nn.Modu
     if column in ("fsdp2", "fsdp_rs"):
         for block in model:
             fully_shard(block, mesh=mesh)
-    elif column in ("fsdp_rs_auto", "fsdp_rs_hand"):
-        for group in hand_groups(list(model), group_bytes):  # one block: itself, as auto_shard
+    elif column == "fsdp_rs_hand":
+        for group in hand_groups(model, group_bytes):  # one module: itself, as auto_shard
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root (the only call for fsdp_rs_root)
     return model
@@ -380,7 +354,6 @@ def bench_modules(
 
 
 def _records(columns, per_rank: list[dict], sizes: dict) -> list[dict[str, Any]]:
-    emulated = not has_auto_shard()
     block_bytes = _bytes(nn.Sequential(nn.Linear(sizes["dim"], sizes["dim"]),
                                        nn.LayerNorm(sizes["dim"])))  # fmt: skip
     records = []
@@ -397,7 +370,6 @@ def _records(columns, per_rank: list[dict], sizes: dict) -> list[dict[str, Any]]
                 **sizes,
                 "batch": BATCH,
                 "block_bytes": block_bytes,
-                "auto_shard_emulated": emulated if column == "fsdp_rs_auto" else None,
                 "groups": first["groups"],
                 "step_s": statistics.median(step_s) if step_s else None,
                 "step_s_each": step_s,

@@ -229,10 +229,9 @@ def modules_table(records: Sequence[Record]) -> str:
     for r in records:
         peaks = r.get("peak_bytes") or []
         peak = "/".join("-" if b is None else f"{b / 1024:.0f}" for b in peaks) or "-"
-        name = r["column"] + (" (emulated)" if r.get("auto_shard_emulated") else "")
         rows.append(
             [
-                name,
+                r["column"],
                 _fmt(r["groups"], "d"),
                 _fmt(_ms(r["step_s"]), ".2f"),
                 _fmt(r["ratio_to_ddp"], ".2f"),
