@@ -30,8 +30,13 @@ def _check_cast(sharded: torch.Tensor, all_gather_output: torch.Tensor) -> None:
 
 
 def check_all_gather_copy_in(
-    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int
+    sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int, *, tables: bool = True
 ) -> None:
+    """The arguments; with ``tables=False`` (a trusted call, [Note: Trusted
+    calls]) only the cast's dtypes, what a step can change."""
+    if not tables:
+        _check_cast(sharded, all_gather_output)
+        return
     check_buffer(OP, "sharded", sharded, 1)
     check_buffer(OP, "all_gather_output", all_gather_output, 2)
     _check_cast(sharded, all_gather_output)
@@ -52,10 +57,7 @@ def torch_all_gather_copy_in(
     sharded: torch.Tensor, all_gather_output: torch.Tensor, rank: int, *, checked: bool = True
 ) -> None:
     """Reference: ``all_gather_output[rank] = sharded.to(param dtype)``."""
-    if checked:  # [Note: Trusted calls]
-        check_all_gather_copy_in(sharded, all_gather_output, rank)
-    else:
-        _check_cast(sharded, all_gather_output)
+    check_all_gather_copy_in(sharded, all_gather_output, rank, tables=checked)
     if sharded.dtype == all_gather_output.dtype:  # raw bits, any dtype
         sharded, all_gather_output = bits(sharded), bits(all_gather_output)
     all_gather_output[rank].copy_(sharded)
@@ -75,10 +77,7 @@ def triton_all_gather_copy_in(
 ) -> None:
     """One launch: a flat (casting) copy into row ``rank``."""
     require_triton()
-    if checked:  # [Note: Trusted calls]
-        check_all_gather_copy_in(sharded, all_gather_output, rank)
-    else:
-        _check_cast(sharded, all_gather_output)
+    check_all_gather_copy_in(sharded, all_gather_output, rank, tables=checked)
     if sharded.numel() == 0:
         return
     # Casts are between float dtypes, which kernel_view keeps as they are.

@@ -41,7 +41,14 @@ def check_post_reduce(
     sharded_grad: torch.Tensor,
     divide_factor: float = 1.0,
     accumulate: bool = False,
+    *,
+    tables: bool = True,
 ) -> None:
+    """The arguments; with ``tables=False`` (a trusted call, [Note: Trusted
+    calls]) only the arithmetic's dtypes, what a step can change."""
+    if not tables:
+        _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+        return
     check_buffer(OP, "reduce_scatter_output", reduce_scatter_output, 1)
     check_buffer(OP, "sharded_grad", sharded_grad, 1)
     check_same_device(
@@ -81,10 +88,9 @@ def torch_post_reduce(
     checked: bool = True,
 ) -> None:
     """Reference: ``grad (+)= (output / divide_factor).to(orig dtype)``."""
-    if checked:  # [Note: Trusted calls]
-        check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
-    else:
-        _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    check_post_reduce(
+        reduce_scatter_output, sharded_grad, divide_factor, accumulate, tables=checked
+    )
     if reduce_scatter_output.dtype == sharded_grad.dtype:  # raw bits when nothing else
         reduce_scatter_output, sharded_grad = bits(reduce_scatter_output), bits(sharded_grad)
     reduced = reduce_scatter_output
@@ -129,10 +135,9 @@ def triton_post_reduce(
 ) -> None:
     """One launch over the row; see [Note: Division by a scalar]."""
     require_triton()
-    if checked:  # [Note: Trusted calls]
-        check_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
-    else:
-        _check_arithmetic(reduce_scatter_output, sharded_grad, divide_factor, accumulate)
+    check_post_reduce(
+        reduce_scatter_output, sharded_grad, divide_factor, accumulate, tables=checked
+    )
     if sharded_grad.numel() == 0:
         return
     # Arithmetic is between float dtypes, which kernel_view keeps as they are.

@@ -90,9 +90,16 @@ def check_reduce_scatter_copy_in(
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
     chunk_numel: torch.Tensor | None = None,
+    *,
+    tables: bool = True,
 ) -> None:
     """O(1) checks; the per-gradient ones happen where the gradients are read
-    (the dtype of the first gradient is checked here)."""
+    (the dtype of the first gradient is checked here). With ``tables=False`` (a
+    trusted call, [Note: Trusted calls]) only the arithmetic's dtypes, what a
+    step can change."""
+    if not tables:
+        _check_arithmetic(grads, reduce_scatter_input, divide_factor)
+        return
     check_buffer(OP, "reduce_scatter_input", reduce_scatter_input, 2)
     num_params = row_offsets.numel() if isinstance(row_offsets, torch.Tensor) else -1
     check_table(OP, "row_offsets", row_offsets, torch.int64, num_params)
@@ -283,13 +290,10 @@ def torch_reduce_scatter_copy_in(
     elements standing in for a missing one), then one gather by a cached index
     ([Note: Cached CPU indices]) writes every row, padding and gaps included;
     with ``chunk_numel``, one strided copy per gradient. Then ``div_``."""
-    if checked:  # [Note: Trusted calls]
-        check_reduce_scatter_copy_in(
-            grads, reduce_scatter_input, row_offsets, padded_numel,
-            tile_param, tile_start, tile_len, divide_factor, chunk_numel,
-        )  # fmt: skip
-    else:
-        _check_arithmetic(grads, reduce_scatter_input, divide_factor)
+    check_reduce_scatter_copy_in(
+        grads, reduce_scatter_input, row_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor, chunk_numel, tables=checked,
+    )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
@@ -427,13 +431,10 @@ def triton_reduce_scatter_copy_in(
 ) -> None:
     """One launch, grid (tiles, world size); see [Note: Pointer tables]."""
     require_triton()
-    if checked:  # [Note: Trusted calls]
-        check_reduce_scatter_copy_in(
-            grads, reduce_scatter_input, row_offsets, padded_numel,
-            tile_param, tile_start, tile_len, divide_factor, chunk_numel,
-        )  # fmt: skip
-    else:
-        _check_arithmetic(grads, reduce_scatter_input, divide_factor)
+    check_reduce_scatter_copy_in(
+        grads, reduce_scatter_input, row_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor, chunk_numel, tables=checked,
+    )  # fmt: skip
     num_tiles = tile_param.numel()
     if num_tiles == 0:
         return

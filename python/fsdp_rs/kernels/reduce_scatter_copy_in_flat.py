@@ -58,9 +58,16 @@ def check_reduce_scatter_copy_in_flat(
     tile_start: torch.Tensor,
     tile_len: torch.Tensor,
     divide_factor: float = 1.0,
+    *,
+    tables: bool = True,
 ) -> None:
     """O(1) checks (the buffer's size against the tables is checked where the
-    tables are read: the CPU index build; the kernel clamps every read)."""
+    tables are read: the CPU index build; the kernel clamps every read). With
+    ``tables=False`` (a trusted call, [Note: Trusted calls]) only the
+    arithmetic's dtypes, what a step can change."""
+    if not tables:
+        _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
+        return
     check_buffer(OP, "grad_buffer", grad_buffer, 1)
     check_buffer(OP, "reduce_scatter_input", reduce_scatter_input, 2)
     check_layout_tables(
@@ -107,13 +114,10 @@ def torch_reduce_scatter_copy_in_flat(
     """Reference: one gather by a cached index ([Note: Cached CPU indices]), a
     zero fill of the gap elements, then ``div_``; per parameter where the index
     is over the cache's budget."""
-    if checked:  # [Note: Trusted calls]
-        check_reduce_scatter_copy_in_flat(
-            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
-            tile_param, tile_start, tile_len, divide_factor,
-        )  # fmt: skip
-    else:
-        _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
+    check_reduce_scatter_copy_in_flat(
+        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor, tables=checked,
+    )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
     if grad_buffer.dtype == reduce_scatter_input.dtype:  # raw bits ([Note: Raw copies])
         grad_buffer, reduce_scatter_input = bits(grad_buffer), bits(reduce_scatter_input)
@@ -209,13 +213,10 @@ def triton_reduce_scatter_copy_in_flat(
 ) -> None:
     """One launch, grid (tiles, world size), whatever the number of params."""
     require_triton()
-    if checked:  # [Note: Trusted calls]
-        check_reduce_scatter_copy_in_flat(
-            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
-            tile_param, tile_start, tile_len, divide_factor,
-        )  # fmt: skip
-    else:
-        _check_arithmetic(grad_buffer, reduce_scatter_input, divide_factor)
+    check_reduce_scatter_copy_in_flat(
+        grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+        tile_param, tile_start, tile_len, divide_factor, tables=checked,
+    )  # fmt: skip
     num_tiles = tile_param.numel()
     if num_tiles == 0 or reduce_scatter_input.shape[0] == 0:
         return
