@@ -26,6 +26,7 @@ Under ``set_fullgraph_compile`` the traced hooks do the same in the graph
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +42,14 @@ __all__ = ["Annotation", "annotated_params", "spmd_types_module", "untyped"]
 
 
 def spmd_types_module() -> Any:
-    """The ``spmd_types`` package, or None where it is not installed (or torch
-    predates it)."""
-    available = getattr(dist, "_is_spmd_types_available", None)
-    if available is None or not available():
+    """The ``spmd_types`` package where it is imported, or None (not imported,
+    or torch predates it). A parameter carries an annotation, and type checking
+    is on, only once the user imported the package: asking the import system
+    whether it is installed costs about 0.1 ms (a search of ``sys.path``) and
+    ran at every ``fully_shard``, a tenth of its time at 1e5 parameters."""
+    if getattr(dist, "_is_spmd_types_available", None) is None:
         return None
-    import spmd_types
-
-    return spmd_types
+    return sys.modules.get("spmd_types")
 
 
 def untyped() -> Any:
