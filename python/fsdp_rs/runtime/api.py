@@ -20,7 +20,12 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_rs.runtime import finalize
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
-from fsdp_rs.runtime.errors import FSDPUsageError
+from fsdp_rs.runtime.errors import (
+    FSDPArgumentTypeError,
+    FSDPUsageError,
+    check_bool,
+    check_real,
+)
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
 from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
@@ -359,6 +364,7 @@ class FSDPModule(CommSettings):
         """Whether the next backward is the last before the optimizer step; while
         False, the end of backward keeps the forward order (for implicit backward
         prefetching) and unshards started but not used, for the next backward."""
+        check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         self._state.is_last_backward = is_last_backward  # read at lazy init
         if self._state.context is not None:
             self._state.context.is_last_backward = is_last_backward
@@ -387,33 +393,39 @@ class FSDPModule(CommSettings):
         """Keep the unsharded parameters' memory at reshard (their data pointers
         stay the same across reshard and unshard, as CUDA graphs need), at the
         cost of that memory; by default reshard frees it."""
-        if not isinstance(keep, bool):
-            raise TypeError(f"set_keep_unsharded_storage takes a bool, got {keep!r}")
+        check_bool("set_keep_unsharded_storage", "keep", keep)
+        check_bool("set_keep_unsharded_storage", "recurse", recurse)
         for group in self._groups(recurse):
             group.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Skip the reduce-scatter (and all-reduce) while False: gradients
         accumulate unsharded, as for gradient accumulation without communication."""
+        check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        check_bool("set_requires_gradient_sync", "recurse", recurse)
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
             group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        check_bool("set_requires_all_reduce", "recurse", recurse)
         for group in self._groups(recurse):
             group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
-            )
+        # FSDP2 raises ValueError here: [Note: Argument types]
+        method, error = "set_reshard_after_forward", FSDPArgumentTypeError
+        check_bool(method, "reshard_after_forward", reshard_after_forward, error)
+        check_bool(method, "recurse", recurse, error)
         for state in self._states(recurse):
             state.reshard_after_forward_arg = reshard_after_forward
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        check_bool("set_reshard_after_backward", "recurse", recurse)
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
@@ -433,6 +445,7 @@ class FSDPModule(CommSettings):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's gradients by ``factor`` instead of the data-parallel
         size (this module's group only, as FSDP2: call it per module)."""
+        check_real("set_gradient_divide_factor", "factor", factor)
         for group in self._groups(False):
             group.gradient_divide_factor = float(factor)
         self._state.refresh_traced()
@@ -444,6 +457,7 @@ class FSDPModule(CommSettings):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with sums only (dividing before and after), for this module's
         group, as FSDP2: needed where the backend has no average (gloo)."""
+        check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self._groups(False):
             group.force_sum_reduction = enable
         self._state.refresh_traced()
@@ -475,14 +489,14 @@ class FSDPModule(CommSettings):
         it raises ValueError naming the groups the traced hooks cannot handle."""
         from fsdp_rs.runtime import traced
 
-        if not isinstance(enabled, bool):
-            raise TypeError(f"set_fullgraph_compile: enabled must be a bool, got {enabled!r}")
+        check_bool("set_fullgraph_compile", "enabled", enabled)
         if enabled:
             traced.enable(self._state)
         else:
             traced.disable(self._state)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         for group in self._groups(False):
             group.unshard_in_backward = unshard_in_backward
 
