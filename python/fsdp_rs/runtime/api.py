@@ -30,6 +30,7 @@ from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refus
 from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
 from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
+from fsdp_rs.runtime.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
 from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -41,7 +42,9 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 _CLASS_CACHE: dict[type, type] = {}
 # The group that owns a parameter, as an attribute of the parameter: a weakref
 # registry would stop nn.Module._apply from swapping the (DTensor) parameters.
-_OWNER_ATTR = "_fsdp_rs_owner"
+# Also how an optimizer built before fully_shard is caught ([Note: Optimizers
+# built before fully_shard]).
+_OWNER_ATTR = OWNER_ATTR
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -164,6 +167,8 @@ def fully_shard(
         # The originals, which other modules may still register (a shared
         # parameter); a sharded one met elsewhere is refused as a DTensor.
         deque(map(setattr, managed.params, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
+        deque(map(setattr, managed.params, repeat(FQN_ATTR), managed.fqns), maxlen=0)
+        register_optimizer_check()  # [Note: Optimizers built before fully_shard]
         managed.forget_originals()
         for part in parts:
             part.forget_originals()
