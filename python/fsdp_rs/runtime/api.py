@@ -33,7 +33,12 @@ from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
 from fsdp_rs.runtime.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
-from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_policies,
+)
 from fsdp_rs.runtime.shard_dim import ShardDimGroup, check_shard_dim
 from fsdp_rs.runtime.state import FSDPState
 
@@ -119,16 +124,11 @@ def fully_shard(
                 f"{type(m).__name__} has none; shard its elements, or the module that "
                 "calls them"
             )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
-        )
     info = mesh_info(mesh, dp_mesh_dims)
     reshard_after_forward = _spmd_reshard(reshard_after_forward, info)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
+    check_policies(mp_policy, offload_policy, managed.params, managed.fqns)
     grad_keys = grad_dtype_keys(managed, mp_policy)  # [Note: Gradient dtype policy]
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
