@@ -9,7 +9,7 @@ import gc
 import operator
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, Literal, overload
 
 import torch
@@ -129,6 +129,7 @@ def fully_shard(
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
     check_policies(mp_policy, offload_policy, managed.params, managed.fqns)
+    _check_not_sharded(modules, managed)
     grad_keys = grad_dtype_keys(managed, mp_policy)  # [Note: Gradient dtype policy]
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
@@ -184,6 +185,40 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
+
+
+def _check_not_sharded(modules: list[nn.Module], managed) -> None:
+    """A parameter that is already a sharded parameter of an fsdp-rs group (its
+    local shard views a group's sharded buffer): the module's parent was
+    sharded before it. Told apart from a tensor-parallel DTensor parameter,
+    which fully_shard shards further ([Note: DTensor parameters])."""
+    params = managed.params
+    for fqn, p in compress(
+        zip(managed.fqns, params, strict=True), map(isinstance, params, repeat(DTensor))
+    ):
+        base = getattr(p._local_tensor, "_base", None)
+        ref = getattr(base, "_fsdp_rs_group", None)
+        group = ref() if ref is not None else None
+        if group is None:
+            continue
+        owner = getattr(group, "modules", None)
+        owner = _class_name(owner[0]) if owner else "a module containing it"
+        name = _class_name(modules[0])
+        raise FSDPUsageError(
+            f"fully_shard: parameter {fqn} of {name} already belongs to the fully_shard group "
+            f"of {owner}, a module containing {name} that was passed to fully_shard first. "
+            "fully_shard goes bottom-up: call it on the children first, then on the root "
+            "(fully_shard(model[0]), fully_shard(model[1]), ..., then fully_shard(model)); "
+            "the root's call takes the parameters no child took"
+        )
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name of ``module``'s own class, ``Linear`` rather than ``FSDPLinear``."""
+    cls = type(module)
+    return next(
+        c for c in cls.__mro__ if c not in _OWN_CLASSES and not issubclass(c, FSDPModule)
+    ).__name__
 
 
 def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:
