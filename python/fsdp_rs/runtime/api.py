@@ -51,6 +51,7 @@ _CLASS_CACHE: dict[type, type] = {}
 # built before fully_shard]).
 _OWNER_ATTR = OWNER_ATTR
 _DTYPE = operator.attrgetter("dtype")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _gc_paused(fn: Callable) -> Callable:
@@ -130,6 +131,7 @@ def fully_shard(
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
     check_policies(mp_policy, offload_policy, managed.params, managed.fqns)
     _check_not_sharded(modules, managed)
+    _check_complex(managed)
     grad_keys = grad_dtype_keys(managed, mp_policy)  # [Note: Gradient dtype policy]
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
@@ -219,6 +221,38 @@ def _class_name(module: nn.Module) -> str:
     return next(
         c for c in cls.__mro__ if c not in _OWN_CLASSES and not issubclass(c, FSDPModule)
     ).__name__
+
+
+def _check_complex(managed) -> None:
+    """Complex parameters that take gradients share their ``fully_shard`` call
+    with trainable parameters of their own dtype only.
+
+    [Note: Complex parameters]
+    fsdp-rs shards a call's parameters as one group per dtype ([Note: One group
+    per dtype]) and so trains several real dtypes in one call (a bf16 model
+    with fp32 norms), where FSDP2 requires the trainable parameters of a call
+    to share one dtype. Complex ones are kept to FSDP2's rule: a complex and a
+    real gradient share no reduce dtype (``MixedPrecisionPolicy.reduce_dtype``
+    names one per call), so a call mixing them has no FSDP2 semantics to
+    match, and FSDP2 raises there at the first forward. fsdp-rs raises at
+    ``fully_shard``, naming a parameter of each dtype; frozen parameters of any
+    dtype may sit beside them, as in FSDP2. Complex parameters alone train as
+    FSDP2 trains them ([Note: Complex gradients] in ``kernels/_dtypes.py``)."""
+    params = managed.params
+    grad_flags = list(map(_REQUIRES_GRAD, params))
+    dtypes = set(map(_DTYPE, compress(params, grad_flags)))
+    if len(dtypes) < 2 or not any(d.is_complex for d in dtypes):
+        return
+    trainable = list(compress(zip(managed.fqns, params, strict=True), grad_flags))
+    first = next((fqn, p.dtype) for fqn, p in trainable if p.dtype.is_complex)
+    other = next((fqn, p.dtype) for fqn, p in trainable if p.dtype != first[1])
+    raise FSDPUsageError(
+        f"fully_shard: parameters {first[0]} ({first[1]}) and {other[0]} ({other[1]}) both "
+        "take gradients in one fully_shard call, which a complex parameter shares with "
+        "trainable parameters of its own dtype only (FSDP2 requires one dtype of them all "
+        "and raises at the first forward); pass the complex parameters' modules to a "
+        "fully_shard call of their own first, or freeze one kind (requires_grad=False)"
+    )
 
 
 def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:
