@@ -540,7 +540,9 @@ class FSDPModule(CommSettings):
         """After an exception aborted a forward or backward: on the root, wait for
         the collectives in flight, reshard every group and clear the iteration's
         bookkeeping, so the next iteration runs normally. The failed iteration's
-        gradients in flight (and those accumulated without sync) are dropped."""
+        gradients in flight (and those accumulated without sync) are dropped.
+        After a backward that raised, the next forward does this itself ([Note:
+        A backward that raised]); after a forward that raised, call it."""
         self._state.reset_iter_state()
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
