@@ -306,7 +306,7 @@ def test_set_fullgraph_compile_refuses_what_it_cannot_trace(fake_pg):
     model.set_fullgraph_compile()  # the root now: a nested module is not one
     with pytest.raises(ValueError, match="must be called on the root"):
         model.blocks[0].set_fullgraph_compile()
-    with pytest.raises(TypeError, match="must be a bool"):
+    with pytest.raises(TypeError, match="takes a bool for enabled"):
         model.set_fullgraph_compile("yes")
 
 

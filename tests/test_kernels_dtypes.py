@@ -238,6 +238,44 @@ def test_post_reduce_raw(numel, dtype):
     assert_bits(tri, output)
 
 
+@pytest.mark.parametrize("factor", [2.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=dtype_id)
+def test_complex_division_and_accumulation_are_torchs(dtype, factor):
+    """[Note: Complex gradients] complex gradients are divided (copy-ins,
+    post-reduce) and accumulated (post-reduce) by torch's own complex ops, as
+    FSDP2 does: the torch and Triton impls give those ops' bits exactly."""
+    shapes, world_size = CASES["odd"], 3
+    plan = make_plan(shapes, world_size, 0, dtype)
+    tables = GroupTables.from_plan(plan, DEVICE)
+    grads = [
+        torch.randn(s, dtype=dtype, generator=torch.Generator().manual_seed(9)) for s in shapes
+    ]
+    grads[0].view(-1)[:2] = torch.tensor([complex(-0.0, 0.0), complex(0.0, -0.0)], dtype=dtype)
+    expected = rows(grads, plan, dtype).to(DEVICE).div_(factor)
+    on_device = [g.to(DEVICE) for g in grads]
+    buffer = unsharded(grads, plan, 0, dtype).to(DEVICE)
+    for copy_in, inputs, args in (
+        (OPS.reduce_scatter_copy_in, on_device, tables.reduce_scatter_args()),
+        (triton_reduce_scatter_copy_in, on_device, tables.reduce_scatter_args()),
+        (OPS.reduce_scatter_copy_in_flat, buffer, tables.reduce_scatter_flat_args()),
+        (triton_reduce_scatter_copy_in_flat, buffer, tables.reduce_scatter_flat_args()),
+    ):
+        out = filled((world_size, plan.row_numel), dtype)
+        copy_in(inputs, out, *args, factor)
+        assert_bits(out, expected)
+    output, acc = expected[0].clone(), expected[1].clone()
+    for accumulate in (False, True):
+        want = acc.clone()
+        if accumulate:
+            want += output / factor
+        else:
+            want.copy_(output / factor)
+        for post_reduce in (OPS.post_reduce, triton_post_reduce):
+            got = acc.clone()
+            post_reduce(output, got, factor, accumulate)
+            assert_bits(got, want)
+
+
 def test_float_copies_unchanged_by_raw_support():
     """A raw copy of a float dtype is the float copy: NaN payloads and -0.0 kept."""
     bits = torch.tensor([0x7FC00001, 0xFFC12345, 0x80000000, 0x3F800000], dtype=torch.int64)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, FLOAT_NAMES, is_copyable
+from fsdp_rs.kernels._dtypes import COMPLEX_DTYPES, FLOAT_DTYPES, FLOAT_NAMES, is_copyable
 
 __all__ = [
     "check_arithmetic",
@@ -71,19 +71,20 @@ def check_arithmetic(
 ) -> None:
     """A copy from dtype ``src`` into ``dst`` (each with its argument's name)
     that casts (the dtypes differ), divides or accumulates needs float dtypes
-    on both sides; one that does none of these moves raw bits of any dtype
-    ([Note: Raw copies]). ``raw`` says what to pass for a raw copy."""
+    on both sides, or one complex dtype on both if it does not cast ([Note:
+    Complex gradients]); one that does none of these moves raw bits of any
+    dtype ([Note: Raw copies]). ``raw`` says what to pass for a raw copy."""
     cast = src[1] != dst[1]
     if not (cast or divide or accumulate):
         return
     for name, dtype in (src, dst):
-        if dtype not in FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES and (cast or dtype not in COMPLEX_DTYPES):
             steps = [f"casts {src[1]} to {dst[1]}"] if cast else []
             steps += ["divides by divide_factor"] * divide + ["accumulates"] * accumulate
             raise TypeError(
                 f"{op}: {name} has dtype {dtype}, but this call {' and '.join(steps)}, which "
-                f"is supported for {FLOAT_NAMES}; any other dtype is copied only bit for bit "
-                f"({raw})"
+                f"is supported for {FLOAT_NAMES} (complex64 and complex128 too without a "
+                f"cast); any other dtype is copied only bit for bit ({raw})"
             )
 
 

@@ -22,16 +22,38 @@ its width: the torch references copy it as it is (every op they use supports
 complex128), the kernels as two int64 words (``words``), scaling the element
 offsets of their tables by it. The four float dtypes are passed as they are,
 so their kernels are the same with or without this note.
+
+[Note: Complex gradients]
+FSDP2 trains complex parameters: it divides their gradients (``div_`` by a
+real factor, before and after the reduce-scatter, as for fp16: [Note: Gradient
+division] in ``runtime/collectives.py``) and accumulates them (``+=``) with
+torch's complex ops. The copies that divide or accumulate therefore also take
+``COMPLEX_DTYPES``, without a cast (complex to complex of the same dtype), and
+do that arithmetic with the same torch ops on the whole tensor, on every
+device: a complex division by a real number is not two real divisions (torch
+divides by the complex number ``(factor, 0)``, whose rounding and signed zeros
+differ), and Triton has no complex type. The bytes move as in [Note: Raw
+copies]; only the arithmetic is torch's, so it matches FSDP2's bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "FLOAT_NAMES", "bits", "bits_dtype", "is_copyable", "words"]
+__all__ = [
+    "COMPLEX_DTYPES",
+    "FLOAT_DTYPES",
+    "FLOAT_NAMES",
+    "bits",
+    "bits_dtype",
+    "is_copyable",
+    "words",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 FLOAT_NAMES = "float32, bfloat16, float16 and float64"
+# Divided and accumulated (never cast) with torch's own ops: [Note: Complex gradients]
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _QUANTIZED = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))

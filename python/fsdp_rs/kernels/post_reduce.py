@@ -91,7 +91,9 @@ def torch_post_reduce(
     check_post_reduce(
         reduce_scatter_output, sharded_grad, divide_factor, accumulate, tables=checked
     )
-    if reduce_scatter_output.dtype == sharded_grad.dtype:  # raw bits when nothing else
+    if reduce_scatter_output.dtype == sharded_grad.dtype and not (
+        reduce_scatter_output.is_complex() and (divide_factor != 1.0 or accumulate)
+    ):  # raw bits, unless complex arithmetic ([Note: Complex gradients])
         reduce_scatter_output, sharded_grad = bits(reduce_scatter_output), bits(sharded_grad)
     reduced = reduce_scatter_output
     if divide_factor != 1.0:
@@ -139,6 +141,11 @@ def triton_post_reduce(
         reduce_scatter_output, sharded_grad, divide_factor, accumulate, tables=checked
     )
     if sharded_grad.numel() == 0:
+        return
+    if sharded_grad.is_complex() and (divide_factor != 1.0 or accumulate):
+        # torch's complex arithmetic, as FSDP2's ([Note: Complex gradients])
+        torch_post_reduce(reduce_scatter_output, sharded_grad, divide_factor, accumulate,
+                          checked=False)  # fmt: skip
         return
     # Arithmetic is between float dtypes, which kernel_view keeps as they are.
     (reduce_scatter_output, _), (sharded_grad, _) = map(

@@ -297,6 +297,7 @@ def torch_reduce_scatter_copy_in(
     world_size, row_numel = reduce_scatter_input.shape
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
     numels = _check_grads(grads, padded_numel, world_size, dtype, reduce_scatter_input.device)
+    divided = reduce_scatter_input  # in its own dtype: [Note: Complex gradients]
     index = None
     if chunk_numel is None:
         index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
@@ -313,7 +314,7 @@ def torch_reduce_scatter_copy_in(
     else:
         _gather(grads, reduce_scatter_input, index, numels, dtype)
     if divide_factor != 1.0:
-        reduce_scatter_input.div_(divide_factor)
+        divided.div_(divide_factor)
 
 
 def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
@@ -440,7 +441,10 @@ def triton_reduce_scatter_copy_in(
         return
     device = reduce_scatter_input.device
     dtype = _grad_dtype(grads) or reduce_scatter_input.dtype
-    # Casts and divisions are between float dtypes, which kernel_view keeps.
+    # Casts and divisions are between float dtypes, which kernel_view keeps; a
+    # complex one is copied raw, then divided by torch ([Note: Complex gradients]).
+    complex_div = reduce_scatter_input.is_complex() and divide_factor != 1.0
+    divided = reduce_scatter_input
     reduce_scatter_input, words = kernel_view(reduce_scatter_input)
     world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
     grads, present = _kernel_grads(grads, dtype, device)
@@ -463,10 +467,12 @@ def triton_reduce_scatter_copy_in(
         row_numel,
         inv,
         GRAD_DTYPE=kernel_dtype(dtype),
-        HAS_DIV=divide_factor != 1.0,
+        HAS_DIV=divide_factor != 1.0 and not complex_div,
         CHUNKED=chunk_numel is not None,
         WORDS=words,
         BLOCK=block,
         num_warps=warps,
     )
     del grads  # contiguous copies (if any) lived until the launch was queued
+    if complex_div:
+        divided.div_(divide_factor)

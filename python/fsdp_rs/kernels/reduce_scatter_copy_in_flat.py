@@ -119,6 +119,7 @@ def torch_reduce_scatter_copy_in_flat(
         tile_param, tile_start, tile_len, divide_factor, tables=checked,
     )  # fmt: skip
     world_size, row_numel = reduce_scatter_input.shape
+    divided = reduce_scatter_input  # in its own dtype: [Note: Complex gradients]
     if grad_buffer.dtype == reduce_scatter_input.dtype:  # raw bits ([Note: Raw copies])
         grad_buffer, reduce_scatter_input = bits(grad_buffer), bits(reduce_scatter_input)
     index = reduce_scatter_buffer_index(
@@ -152,7 +153,7 @@ def torch_reduce_scatter_copy_in_flat(
         if gaps is not None:
             flat.index_fill_(0, gaps, 0)
     if divide_factor != 1.0:
-        reduce_scatter_input.div_(divide_factor)
+        divided.div_(divide_factor)
 
 
 @jit
@@ -220,7 +221,10 @@ def triton_reduce_scatter_copy_in_flat(
     num_tiles = tile_param.numel()
     if num_tiles == 0 or reduce_scatter_input.shape[0] == 0:
         return
-    # Casts and divisions are between float dtypes, which kernel_view keeps.
+    # Casts and divisions are between float dtypes, which kernel_view keeps; a
+    # complex one is copied raw, then divided by torch ([Note: Complex gradients]).
+    complex_div = reduce_scatter_input.is_complex() and divide_factor != 1.0
+    divided = reduce_scatter_input
     reduce_scatter_input, words = kernel_view(reduce_scatter_input)
     grad_buffer, _ = kernel_view(grad_buffer)
     world_size, row_numel = reduce_scatter_input.shape  # row_numel in words
@@ -238,8 +242,10 @@ def triton_reduce_scatter_copy_in_flat(
         row_numel,
         grad_buffer.numel(),
         inv,
-        HAS_DIV=divide_factor != 1.0,
+        HAS_DIV=divide_factor != 1.0 and not complex_div,
         WORDS=words,
         BLOCK=block,
         num_warps=warps,
     )
+    if complex_div:
+        divided.div_(divide_factor)

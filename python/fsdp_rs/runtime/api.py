@@ -9,7 +9,7 @@ import gc
 import operator
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, Literal, overload
 
 import torch
@@ -20,14 +20,25 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_rs.runtime import finalize
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
-from fsdp_rs.runtime.errors import FSDPUsageError
+from fsdp_rs.runtime.errors import (
+    FSDPArgumentTypeError,
+    FSDPUsageError,
+    check_bool,
+    check_real,
+)
 from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
 from fsdp_rs.runtime.finalize import GradientReductionHandle
 from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
 from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
+from fsdp_rs.runtime.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
 from fsdp_rs.runtime.param_group import FSDPParamGroup
 from fsdp_rs.runtime.params import collect_params, state_of
-from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_policies,
+)
 from fsdp_rs.runtime.shard_dim import ShardDimGroup, check_shard_dim
 from fsdp_rs.runtime.state import FSDPState
 
@@ -36,8 +47,11 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 _CLASS_CACHE: dict[type, type] = {}
 # The group that owns a parameter, as an attribute of the parameter: a weakref
 # registry would stop nn.Module._apply from swapping the (DTensor) parameters.
-_OWNER_ATTR = "_fsdp_rs_owner"
+# Also how an optimizer built before fully_shard is caught ([Note: Optimizers
+# built before fully_shard]).
+_OWNER_ATTR = OWNER_ATTR
 _DTYPE = operator.attrgetter("dtype")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _gc_paused(fn: Callable) -> Callable:
@@ -111,16 +125,13 @@ def fully_shard(
                 f"{type(m).__name__} has none; shard its elements, or the module that "
                 "calls them"
             )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
-        )
     info = mesh_info(mesh, dp_mesh_dims)
     reshard_after_forward = _spmd_reshard(reshard_after_forward, info)
     post_forward = _post_forward_size(reshard_after_forward, info.shard_size)
     managed = collect_params(modules, ignored_params or (), _OWNER_ATTR)
+    check_policies(mp_policy, offload_policy, managed.params, managed.fqns)
+    _check_not_sharded(modules, managed)
+    _check_complex(managed)
     grad_keys = grad_dtype_keys(managed, mp_policy)  # [Note: Gradient dtype policy]
     dims, infos = _shard_dims(managed, shard_placement_fn, info)
     group = None
@@ -159,6 +170,8 @@ def fully_shard(
         # The originals, which other modules may still register (a shared
         # parameter); a sharded one met elsewhere is refused as a DTensor.
         deque(map(setattr, managed.params, repeat(_OWNER_ATTR), repeat(desc)), maxlen=0)
+        deque(map(setattr, managed.params, repeat(FQN_ATTR), managed.fqns), maxlen=0)
+        register_optimizer_check()  # [Note: Optimizers built before fully_shard]
         managed.forget_originals()
         for part in parts:
             part.forget_originals()
@@ -174,6 +187,72 @@ def fully_shard(
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
     return module
+
+
+def _check_not_sharded(modules: list[nn.Module], managed) -> None:
+    """A parameter that is already a sharded parameter of an fsdp-rs group (its
+    local shard views a group's sharded buffer): the module's parent was
+    sharded before it. Told apart from a tensor-parallel DTensor parameter,
+    which fully_shard shards further ([Note: DTensor parameters])."""
+    params = managed.params
+    for fqn, p in compress(
+        zip(managed.fqns, params, strict=True), map(isinstance, params, repeat(DTensor))
+    ):
+        base = getattr(p._local_tensor, "_base", None)
+        ref = getattr(base, "_fsdp_rs_group", None)
+        group = ref() if ref is not None else None
+        if group is None:
+            continue
+        owner = getattr(group, "modules", None)
+        owner = _class_name(owner[0]) if owner else "a module containing it"
+        name = _class_name(modules[0])
+        raise FSDPUsageError(
+            f"fully_shard: parameter {fqn} of {name} already belongs to the fully_shard group "
+            f"of {owner}, a module containing {name} that was passed to fully_shard first. "
+            "fully_shard goes bottom-up: call it on the children first, then on the root "
+            "(fully_shard(model[0]), fully_shard(model[1]), ..., then fully_shard(model)); "
+            "the root's call takes the parameters no child took"
+        )
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name of ``module``'s own class, ``Linear`` rather than ``FSDPLinear``."""
+    cls = type(module)
+    return next(
+        c for c in cls.__mro__ if c not in _OWN_CLASSES and not issubclass(c, FSDPModule)
+    ).__name__
+
+
+def _check_complex(managed) -> None:
+    """Complex parameters that take gradients share their ``fully_shard`` call
+    with trainable parameters of their own dtype only.
+
+    [Note: Complex parameters]
+    fsdp-rs shards a call's parameters as one group per dtype ([Note: One group
+    per dtype]) and so trains several real dtypes in one call (a bf16 model
+    with fp32 norms), where FSDP2 requires the trainable parameters of a call
+    to share one dtype. Complex ones are kept to FSDP2's rule: a complex and a
+    real gradient share no reduce dtype (``MixedPrecisionPolicy.reduce_dtype``
+    names one per call), so a call mixing them has no FSDP2 semantics to
+    match, and FSDP2 raises there at the first forward. fsdp-rs raises at
+    ``fully_shard``, naming a parameter of each dtype; frozen parameters of any
+    dtype may sit beside them, as in FSDP2. Complex parameters alone train as
+    FSDP2 trains them ([Note: Complex gradients] in ``kernels/_dtypes.py``)."""
+    params = managed.params
+    grad_flags = list(map(_REQUIRES_GRAD, params))
+    dtypes = set(map(_DTYPE, compress(params, grad_flags)))
+    if len(dtypes) < 2 or not any(d.is_complex for d in dtypes):
+        return
+    trainable = list(compress(zip(managed.fqns, params, strict=True), grad_flags))
+    first = next((fqn, p.dtype) for fqn, p in trainable if p.dtype.is_complex)
+    other = next((fqn, p.dtype) for fqn, p in trainable if p.dtype != first[1])
+    raise FSDPUsageError(
+        f"fully_shard: parameters {first[0]} ({first[1]}) and {other[0]} ({other[1]}) both "
+        "take gradients in one fully_shard call, which a complex parameter shares with "
+        "trainable parameters of its own dtype only (FSDP2 requires one dtype of them all "
+        "and raises at the first forward); pass the complex parameters' modules to a "
+        "fully_shard call of their own first, or freeze one kind (requires_grad=False)"
+    )
 
 
 def _shard_dims(managed, shard_placement_fn, info: MeshInfo) -> tuple[list[int], list[MeshInfo]]:
@@ -359,6 +438,7 @@ class FSDPModule(CommSettings):
         """Whether the next backward is the last before the optimizer step; while
         False, the end of backward keeps the forward order (for implicit backward
         prefetching) and unshards started but not used, for the next backward."""
+        check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         self._state.is_last_backward = is_last_backward  # read at lazy init
         if self._state.context is not None:
             self._state.context.is_last_backward = is_last_backward
@@ -387,33 +467,39 @@ class FSDPModule(CommSettings):
         """Keep the unsharded parameters' memory at reshard (their data pointers
         stay the same across reshard and unshard, as CUDA graphs need), at the
         cost of that memory; by default reshard frees it."""
-        if not isinstance(keep, bool):
-            raise TypeError(f"set_keep_unsharded_storage takes a bool, got {keep!r}")
+        check_bool("set_keep_unsharded_storage", "keep", keep)
+        check_bool("set_keep_unsharded_storage", "recurse", recurse)
         for group in self._groups(recurse):
             group.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Skip the reduce-scatter (and all-reduce) while False: gradients
         accumulate unsharded, as for gradient accumulation without communication."""
+        check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        check_bool("set_requires_gradient_sync", "recurse", recurse)
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
             group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        check_bool("set_requires_all_reduce", "recurse", recurse)
         for group in self._groups(recurse):
             group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}"
-            )
+        # FSDP2 raises ValueError here: [Note: Argument types]
+        method, error = "set_reshard_after_forward", FSDPArgumentTypeError
+        check_bool(method, "reshard_after_forward", reshard_after_forward, error)
+        check_bool(method, "recurse", recurse, error)
         for state in self._states(recurse):
             state.reshard_after_forward_arg = reshard_after_forward
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        check_bool("set_reshard_after_backward", "recurse", recurse)
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
@@ -433,6 +519,7 @@ class FSDPModule(CommSettings):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's gradients by ``factor`` instead of the data-parallel
         size (this module's group only, as FSDP2: call it per module)."""
+        check_real("set_gradient_divide_factor", "factor", factor)
         for group in self._groups(False):
             group.gradient_divide_factor = float(factor)
         self._state.refresh_traced()
@@ -444,6 +531,7 @@ class FSDPModule(CommSettings):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with sums only (dividing before and after), for this module's
         group, as FSDP2: needed where the backend has no average (gloo)."""
+        check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self._groups(False):
             group.force_sum_reduction = enable
         self._state.refresh_traced()
@@ -452,7 +540,9 @@ class FSDPModule(CommSettings):
         """After an exception aborted a forward or backward: on the root, wait for
         the collectives in flight, reshard every group and clear the iteration's
         bookkeeping, so the next iteration runs normally. The failed iteration's
-        gradients in flight (and those accumulated without sync) are dropped."""
+        gradients in flight (and those accumulated without sync) are dropped.
+        After a backward that raised, the next forward does this itself ([Note:
+        A backward that raised]); after a forward that raised, call it."""
         self._state.reset_iter_state()
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
@@ -475,14 +565,14 @@ class FSDPModule(CommSettings):
         it raises ValueError naming the groups the traced hooks cannot handle."""
         from fsdp_rs.runtime import traced
 
-        if not isinstance(enabled, bool):
-            raise TypeError(f"set_fullgraph_compile: enabled must be a bool, got {enabled!r}")
+        check_bool("set_fullgraph_compile", "enabled", enabled)
         if enabled:
             traced.enable(self._state)
         else:
             traced.disable(self._state)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         for group in self._groups(False):
             group.unshard_in_backward = unshard_in_backward
 

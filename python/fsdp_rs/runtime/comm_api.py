@@ -17,6 +17,7 @@ from fsdp_rs.runtime.comms import (
     SymmMemReduceScatter,
     is_builtin,
 )
+from fsdp_rs.runtime.errors import check_bool
 
 if TYPE_CHECKING:
     from fsdp_rs.runtime.param_group import FSDPParamGroup
@@ -54,6 +55,7 @@ class CommSettings:
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate the collectives' buffers with the process group's allocator
         where its backend has one (NCCL: zero-copy transfers); not with custom comms."""
+        check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
         for group in self._groups(False):
             _check_not_custom(group, "set_allocate_memory_from_process_group_for_comm")
             pg = group.info.shard_group
@@ -84,8 +86,11 @@ class CommSettings:
         one gets a ``.grad`` (zeros where no rank had one). fsdp-rs keeps the
         ranks' collectives paired without it ([Note: Gradient agreement]); this
         only decides which parameters get a ``.grad``, as in FSDP2."""
+        method = "set_reduce_scatter_unused_params"
+        check_bool(method, "reduce_scatter_unused_params", reduce_scatter_unused_params)
+        check_bool(method, "recurse", recurse)
         for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -103,6 +108,7 @@ class CommSettings:
                 f"set_reduce_scatter_max_input_buffers: max_input_buffers must be >= 1, got "
                 f"{max_input_buffers} (1 is the default: one buffer in flight)"
             )
+        check_bool("set_reduce_scatter_max_input_buffers", "recurse", recurse)
         for group in self._groups(recurse):
             group.reduce_scatter_max_input_buffers = max_input_buffers
 
@@ -112,6 +118,8 @@ class CommSettings:
         """Reduce-scatter on a process group of its own over the shard ranks (one
         per rank set), so that it can overlap the all-gathers; False goes back
         to the shard group. Collective: call it on every rank of the mesh."""
+        check_bool("set_separate_reduce_scatter_group", "enable", enable)
+        check_bool("set_separate_reduce_scatter_group", "recurse", recurse)
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             if not enable or group.info.shard_group is None:  # None: nothing sharded

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_rs.runtime.errors import check_bool
 from fsdp_rs.runtime.streams import NO_STREAMS
 
 __all__ = ["GradientReductionHandle", "finalize_backward", "set_manual"]
@@ -63,8 +64,7 @@ class GradientReductionHandle:
 
 def set_manual(state, enabled: bool) -> None:
     """``FSDPModule.set_manual_backward_finalization`` on ``state``'s module."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_manual_backward_finalization takes a bool, got {enabled!r}")
+    check_bool("set_manual_backward_finalization", "enabled", enabled)
     context = state.context
     if context is None:  # before lazy init: the root's goes to its context
         state.manual_finalization = enabled

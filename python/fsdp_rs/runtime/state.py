@@ -23,6 +23,26 @@ per module call instead cost a reduce-scatter, a reshard and an all-gather
 more per backward, and summed the group's gradients in another order than
 FSDP2 (bf16 gradient accumulation then differed by a few ulps).
 
+[Note: A backward that raised]
+A backward that raises midway (a second ``backward()`` through a freed graph,
+an exception from a user's hook or loss, caught by the caller) never reaches
+the end-of-backward callback: groups stay unsharded with the registered
+unsharded parameters, their ``.grad``s hold partial gradients, the backward
+order and the queued-callback flag stay set. The next step then ran on that
+state: its forward on stale unsharded parameters, its backward without an
+end-of-backward callback (the flag said one was queued), and gradients
+added to the leftovers (twice the last layer's, say). FSDP2 leaves the same
+state and asks for ``reset_iter_state()`` on the root. fsdp-rs needs none:
+the flag is set from a backward's first hook until its callback runs, so a
+root forward that finds it set while no backward runs on this thread (a
+recomputation inside backward is one that does) follows a backward that never
+finished, and runs ``reset_iter_state()`` first. That reset is local (it waits
+for the collectives in flight and discards, it issues none), and the ranks
+that ran the same backward raised at the same point, so each starts clean
+alike. What the failed iteration left is dropped, as ``reset_iter_state()``
+documents (gradients accumulated without sync among them); the ``.grad``s
+already assigned stay. The check costs one attribute read per root forward.
+
 [Note: Backward hooks]
 Before a module's backward, a multi-grad hook on its forward outputs unshards
 its group (unless still unsharded) and prefetches the group that ran before it
@@ -307,6 +327,8 @@ class FSDPState:
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self.context
+        if context.callback_queued and torch._C._current_graph_task_id() == -1:
+            self.reset_iter_state()  # [Note: A backward that raised]
         finalize.check_no_pending(context)
         if torch.is_grad_enabled():
             context.forward_order = []
