@@ -15,6 +15,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rs.runtime import finalize
@@ -376,9 +377,24 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule(CommSettings):
+class FSDPModule(CommSettings, TorchFSDPModule):
     """Mixin of every module passed to ``fully_shard`` (its class becomes
-    ``FSDP<Cls>``)."""
+    ``FSDP<Cls>``).
+
+    [Note: An FSDPModule to torch]
+    Libraries and torch itself find FSDP2 modules with ``isinstance(m,
+    torch.distributed.fsdp.FSDPModule)`` and then call its methods
+    (Lightning's ``no_backward_sync`` calls ``set_requires_gradient_sync``,
+    pipelining ``set_is_last_backward`` / ``unshard`` / ``reshard``); a module
+    that fails the test is skipped silently. So this class derives from
+    torch's, and defines every method torch's defines (a test compares the
+    two classes on every torch version CI runs): none of torch's runs on an
+    fsdp-rs module. What reads FSDP2's private state (``_get_fsdp_state()``,
+    ``fully_shard.state(m)``, ``FSDPMemTracker``) finds none and raises,
+    naming the module, instead of reading another library's objects.
+    ``isinstance(m, fsdp_rs.FSDPModule)`` tells the two libraries' modules
+    apart.
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Direct construction (nn.Sequential slicing, say) builds the original
@@ -576,12 +592,33 @@ class FSDPModule(CommSettings):
         for group in self._groups(False):
             group.unshard_in_backward = unshard_in_backward
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Unshard in forward and backward (and prefetch) with asynchronous
+        collectives on the current stream instead of the all-gather streams, for
+        this module and every fully_shard module under it, as FSDP2's private
+        method of that name (values are the same either way)."""
+        check_bool("_set_unshard_async_op", "async_op", async_op)
+        for group in self._groups(True):
+            group.unshard_async_op = async_op
+
+    def _get_fsdp_state(self) -> Any:
+        """FSDP2's private state of this module: fsdp-rs has none ([Note: An
+        FSDPModule to torch]); raises, as FSDP2 raises for a module without it."""
+        raise FSDPUsageError(
+            f"{_class_name(self)} was sharded by fsdp-rs's fully_shard, which keeps no torch "
+            "FSDP2 state (FSDPModule._get_fsdp_state(), fully_shard.state(module)): code "
+            "that reads FSDP2's private objects does not work on it. Use the FSDPModule "
+            "methods (unshard, reshard, set_requires_gradient_sync, ...), or shard this "
+            "model with torch.distributed.fsdp.fully_shard for that code"
+        )
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # module.to / to_empty / cuda replace the registered sharded parameters'
         # data ([Note: Adopting registered parameters]): the sharded ones must be
         # registered, and the groups then re-point their buffers at the new data.
         self.reshard()
-        result = super()._apply(*args, **kwargs)
+        # the module's own _apply: past torch's FSDPModule, whose would read FSDP2 state
+        result = super(TorchFSDPModule, self)._apply(*args, **kwargs)
         for group in self._groups(True):
             group.adopt_registered()
         return result

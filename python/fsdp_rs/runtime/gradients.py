@@ -151,6 +151,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -614,7 +615,7 @@ class GradientReduction:
                 if info.replicate_group is not None:
                     dist.all_reduce(output, op=division.all_reduce_op, group=info.replicate_group)
                 if hook is not None:
-                    hook(output)
+                    self._run_all_reduce_hook(hook, output)
         with streams.on(post_stream):
             if direct:
                 if post != 1.0:
@@ -628,6 +629,17 @@ class GradientReduction:
         # One rank: the post-reduce read the input itself.
         rs_in_event = post_event if info.shard_size == 1 else rs_event
         self._end_reduction(rs_in, rs_in_event, post_stream, post_event, output)
+
+    def _run_all_reduce_hook(self, hook: Callable, output: torch.Tensor) -> None:
+        """``hook(output)`` with the stream ``set_all_reduce_hook`` named current:
+        where side streams run, it already is; without them (CPU), the device
+        module's stream context makes it current for the hook, as FSDP2 does."""
+        stream = self.all_reduce_hook_stream
+        if stream is None or self.streams.enabled or self.info.replicate_group is not None:
+            hook(output)
+            return
+        with torch.get_device_module(self.device.type).stream(stream):
+            hook(output)
 
     def _end_reduction(self, rs_in, rs_in_event, post_stream, post_event, output) -> None:
         """Keep what the streams still use; see [Note: Cross-stream lifetimes]."""

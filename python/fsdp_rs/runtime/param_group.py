@@ -212,6 +212,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        # the forward's and backward's unshards as asynchronous collectives on the
+        # current stream instead of the all-gather streams (_set_unshard_async_op)
+        self.unshard_async_op = False
         self.keep_unsharded_storage = False  # set_keep_unsharded_storage
         self.all_gather_comm = None  # [Note: Comm objects]
         self.reduce_scatter_comm = None

@@ -351,7 +351,7 @@ class FSDPState:
             order = self.context.forward_order
             self._forward_index = len(order)
             order.append(self)
-        group.unshard(side_streams=True)
+        group.unshard(async_op=group.unshard_async_op, side_streams=True)
         group.wait_for_unshard(defer_release=True)
         if grad:  # [Note: Trainable set changes]
             group.forward_graph = True
@@ -494,7 +494,7 @@ class FSDPState:
             return
         group.post_backward_done = False
         if group.state != ShardedState.UNSHARDED and group.unshard_in_backward:
-            group.unshard(side_streams=True)
+            group.unshard(async_op=group.unshard_async_op, side_streams=True)
             group.wait_for_unshard()
         group.prepare_gradients()
         for other in self._backward_prefetch_targets():

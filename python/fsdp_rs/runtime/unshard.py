@@ -240,8 +240,9 @@ class Unsharding:
     @outside_functorch
     def prefetch(self) -> None:
         """Start the unshard of a group about to run: on the side streams where
-        there are streams, else with an asynchronous collective."""
-        self.unshard(async_op=not self.streams.enabled, side_streams=True)
+        there are streams (unless ``_set_unshard_async_op(True)``), else with an
+        asynchronous collective."""
+        self.unshard(async_op=self.unshard_async_op or not self.streams.enabled, side_streams=True)
 
     def _all_gather_output(self) -> torch.Tensor:
         rows, row = self.info.shard_size, self.plan.row_numel
