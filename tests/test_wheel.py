@@ -39,6 +39,7 @@ def test_wheel_is_abi3_and_ships_the_package(wheel: Path):
         "fsdp_rs/ops/__init__.py",
         "fsdp_rs/planning/reference.py",
         "fsdp_rs/bench/__main__.py",
+        "fsdp_rs_switch.pth",  # FSDP_RS=1 ([Note: The switch] in fsdp_rs/switch.py)
     ]:
         assert expected in names, f"{expected} missing from {wheel.name}"
     assert any(n.startswith("fsdp_rs/_core.") and n.endswith(".so") for n in names)
@@ -81,6 +82,25 @@ def test_fresh_venv_imports_the_installed_wheel(wheel: Path, tmp_path: Path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == fsdp_rs_version()
+    # The installed switch: FSDP_RS=1 gives a client importing FSDP2's names
+    # fsdp-rs's, with no code changed; unset, Python starts without torch.
+    client = (
+        "import sys\n"
+        "assert 'torch' not in sys.modules\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "import fsdp_rs\n"
+        "print(fully_shard is fsdp_rs.fully_shard)\n"
+    )
+    for value, expected in (("1", "True"), ("0", "False")):
+        done = subprocess.run(
+            [python, "-c", client],
+            cwd=tmp_path,
+            env={**env, "FSDP_RS": value},
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected, (value, done.stdout)
 
 
 def fsdp_rs_version() -> str:

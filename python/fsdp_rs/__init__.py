@@ -31,6 +31,7 @@ __all__ = [
     "GroupPlan",
     "__version__",
     "clip_grad_norm_",
+    "patch_fsdp2",
     "peak_memory",
     "plan_flat",
     "plan_group",
@@ -44,6 +45,10 @@ def __getattr__(name: str):
         from fsdp_rs import runtime
 
         return getattr(runtime, name)
+    if name == "patch_fsdp2":  # [Note: The switch]
+        from fsdp_rs.switch import patch_fsdp2
+
+        return patch_fsdp2
     if name == "clip_grad_norm_":
         from fsdp_rs import optim
 

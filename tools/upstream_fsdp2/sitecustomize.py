@@ -92,27 +92,11 @@ def _apply():
     if _IMPL != "fsdprs":
         return
 
-    # ---- 5. substitute fsdp_rs for FSDP2's public names
-    import torch.distributed._composable.fsdp as old
-    import torch.distributed.fsdp as tfsdp
-    import torch.distributed.fsdp._fully_shard as tfs
-
+    # ---- 5. substitute fsdp_rs for FSDP2's public names: the supported switch
+    #      (fsdp_rs/switch.py), in the three places clients import them from
     import fsdp_rs
 
-    old_mod = sys.modules["torch.distributed._composable.fsdp.fully_shard"]
-
-    names = {
-        "fully_shard": fsdp_rs.fully_shard,
-        "FSDPModule": fsdp_rs.FSDPModule,
-        "register_fsdp_forward_method": fsdp_rs.register_fsdp_forward_method,
-        "UnshardHandle": fsdp_rs.UnshardHandle,
-        "GradientReductionHandle": fsdp_rs.GradientReductionHandle,
-        "share_comm_ctx": fsdp_rs.share_comm_ctx,
-    }
-    for mod in (tfsdp, tfs, old, old_mod):
-        for n, v in names.items():
-            if hasattr(mod, n) or mod in (tfsdp, tfs):
-                setattr(mod, n, v)
+    fsdp_rs.patch_fsdp2()
     os.environ["FSDP_RS_SUBSTITUTED"] = "1"
 
 
