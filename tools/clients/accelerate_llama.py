@@ -10,25 +10,12 @@ import os
 
 import torch
 
-NAMES = (
-    "fully_shard",
-    "FSDPModule",
-    "register_fsdp_forward_method",
-    "UnshardHandle",
-    "share_comm_ctx",
-    "GradientReductionHandle",
-)
-
-
 def substitute() -> None:
-    """fsdp-rs in place of FSDP2's public names (accelerate imports them from
-    ``torch.distributed.fsdp`` when it prepares the model)."""
-    import torch.distributed.fsdp as tfsdp
-
+    """fsdp-rs in place of FSDP2's public names, by the supported switch
+    (``FSDP_RS=1`` in the environment does the same without this call)."""
     import fsdp_rs
 
-    for name in NAMES:
-        setattr(tfsdp, name, getattr(fsdp_rs, name))
+    fsdp_rs.patch_fsdp2()
 
 
 def main() -> None:
