@@ -10,6 +10,7 @@ import os
 
 import torch
 
+
 def substitute() -> None:
     """fsdp-rs in place of FSDP2's public names, by the supported switch
     (``FSDP_RS=1`` in the environment does the same without this call)."""
