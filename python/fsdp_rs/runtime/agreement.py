@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_rs.runtime.observe import rare
 from fsdp_rs.runtime.plan_check import enabled as plan_checks_enabled
 from fsdp_rs.runtime.plan_check import mesh_dims, param_fqn
 from fsdp_rs.runtime.streams import CommStreams
@@ -134,6 +135,10 @@ class GradientAgreement:
     def resolve(self) -> None:
         """The all-reduces (every rank, every mesh that reduced), then the
         missing ``.grad``s where this rank lacked some gradient."""
+        with rare("fsdp_rs::gradient_agreement"):  # [Note: Labels and logs]
+            self._resolve()
+
+    def _resolve(self) -> None:
         noted, self._noted = self._noted, {}
         self._checked = set()
         for (shard_group, replicate_group), entries in noted.items():

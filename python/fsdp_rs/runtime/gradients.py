@@ -165,6 +165,7 @@ from fsdp_rs.runtime.collectives import (
     unreduced_post_divide,
 )
 from fsdp_rs.runtime.nd import DTensorParam
+from fsdp_rs.runtime.observe import phase
 from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 from fsdp_rs.runtime.policies import fsdp2_reduces_partial_first
 
@@ -388,12 +389,20 @@ class GradientReduction:
             self.reshard()
         if keep:
             return
+        context = self.step_context
+        if context is not None and context.labelling:  # [Note: Labels and logs]
+            with phase(context, "FSDP::post_backward_reduce", self.fqn):
+                self._reduce_in_backward(grads)
+        else:
+            self._reduce_in_backward(grads)
+        self._free_grad_buffer()
+
+    def _reduce_in_backward(self, grads: list[torch.Tensor | None]) -> None:
         if torch.is_grad_enabled():  # backward(create_graph=True): record nothing
             with torch.no_grad():
                 self._reduce_grads(grads)
         else:  # autograd runs hooks without grad mode: spare the context (~3 us)
             self._reduce_grads(grads)
-        self._free_grad_buffer()
 
     def _read_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         """The gradients autograd left on the unsharded ``params`` (those with a

@@ -215,6 +215,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         # the forward's and backward's unshards as asynchronous collectives on the
         # current stream instead of the all-gather streams (_set_unshard_async_op)
         self.unshard_async_op = False
+        # [Note: Labels and logs] the modules' names, and the root's Context, from lazy init
+        self.fqn = ""
+        self.step_context = None
         self.keep_unsharded_storage = False  # set_keep_unsharded_storage
         self.all_gather_comm = None  # [Note: Comm objects]
         self.reduce_scatter_comm = None

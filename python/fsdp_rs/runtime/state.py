@@ -75,6 +75,7 @@ from fsdp_rs.runtime.compile import eager_hook
 from fsdp_rs.runtime.containers import map_tensors, tensors_in
 from fsdp_rs.runtime.grad_buffers import local_tensor
 from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes
+from fsdp_rs.runtime.observe import PROFILING, logs_enabled, phase, rare
 from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.params import state_of
 from fsdp_rs.runtime.plan_check import check_plans, groups_of, param_fqn
@@ -119,6 +120,10 @@ class Context:
         self.root_traced = False  # the root's pre-forward took the traced hooks
         # the last traced group's token ([Note: Every group's backward on every rank])
         self.token: torch.Tensor | None = None
+        # [Note: Labels and logs] the debug log is on (read per root forward); a
+        # labelled hook is running
+        self.logs = logs_enabled()
+        self.labelling = False
 
 
 def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
@@ -176,6 +181,7 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.context: Context | None = None
         self.is_root = False
+        self.fqn = ""  # the modules' names under the root ([Note: Labels and logs])
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None
         # The modules of this state that ran forward since its group was unsharded.
@@ -297,9 +303,15 @@ class FSDPState:
         for state in states:
             state.context = context
             state.is_root = state is self
+            # [Note: Labels and logs] the modules' names under the root, as FSDP2's
+            state.fqn = ", ".join(name_of.get(id(m), "") for m in state.modules)
+            if state.group is not None:
+                state.group.fqn = state.fqn
+                state.group.step_context = context
             if state.group is not None:
                 state.group.reshard_after_forward = state.default_reshard_after_forward(self)
-        check_plans(self, states)  # [Note: Cross-rank plan check]
+        with rare("fsdp_rs::plan_check"):
+            check_plans(self, states)  # [Note: Cross-rank plan check]
 
     # --------------------------------------------------------------- forward
 
@@ -308,8 +320,21 @@ class FSDPState:
             self._lazy_init()
         context = self.context
         if self.is_root:
+            context.logs = logs_enabled()  # [Note: Labels and logs]
+        if context.logs or PROFILING():
+            with phase(context, "FSDP::pre_forward", self.fqn):
+                return self._pre_forward(module, args, kwargs)
+        return self._pre_forward(module, args, kwargs)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        context = self.context
+        if self.is_root:
             with context.untyped():
-                args, kwargs = self._root_pre_forward(args, kwargs)
+                if context.labelling:
+                    with phase(context, "FSDP::root_pre_forward"):
+                        args, kwargs = self._root_pre_forward(args, kwargs)
+                else:
+                    args, kwargs = self._root_pre_forward(args, kwargs)
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -351,17 +376,37 @@ class FSDPState:
             order = self.context.forward_order
             self._forward_index = len(order)
             order.append(self)
-        group.unshard(async_op=group.unshard_async_op, side_streams=True)
-        group.wait_for_unshard(defer_release=True)
+        if self.context.labelling:
+            with phase(self.context, "FSDP::all_gather", self.fqn):
+                group.unshard(async_op=group.unshard_async_op, side_streams=True)
+            with phase(self.context, "FSDP::all_gather_copy_out", self.fqn):
+                group.wait_for_unshard(defer_release=True)
+        else:
+            group.unshard(async_op=group.unshard_async_op, side_streams=True)
+            group.wait_for_unshard(defer_release=True)
         if grad:  # [Note: Trainable set changes]
             group.forward_graph = True
         for other in self.forward_prefetch:
             if other.group is not None:
-                other.group.prefetch()
+                other._prefetch("forward")
+
+    def _prefetch(self, kind: str) -> None:
+        """Start this group's unshard ahead of its use (``kind``: forward or
+        backward), labelled as FSDP2's where observed."""
+        if self.context.labelling:
+            with phase(self.context, f"FSDP::{kind}_prefetch for {self.fqn}"):
+                self.group.prefetch()
+        else:
+            self.group.prefetch()
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        with self.context.untyped():
-            output = self._post_forward(module, output)
+        context = self.context
+        with context.untyped():
+            if context.logs or PROFILING():
+                with phase(context, "FSDP::post_forward", self.fqn):
+                    output = self._post_forward(module, output)
+            else:
+                output = self._post_forward(module, output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
@@ -466,8 +511,13 @@ class FSDPState:
         return output
 
     def _pre_backward(self, *unused: Any) -> None:
-        with self.context.untyped():
-            self._begin_backward()
+        context = self.context
+        with context.untyped():
+            if context.logs or PROFILING():
+                with phase(context, "FSDP::pre_backward", self.fqn):
+                    self._begin_backward()
+            else:
+                self._begin_backward()
 
     def _begin_backward(self) -> None:
         context = self.context
@@ -499,7 +549,7 @@ class FSDPState:
         group.prepare_gradients()
         for other in self._backward_prefetch_targets():
             if other.group is not None and other.group.unshard_in_backward:
-                other.group.prefetch()
+                other._prefetch("backward")
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
@@ -516,9 +566,14 @@ class FSDPState:
             order = self.context.backward_order
             # [Note: Partial gradients of a module called twice]
             group.visits_left = order is not None and order.pending(self)
+            context = self.context
             try:
-                with self.context.untyped():
-                    group.post_backward()
+                with context.untyped():
+                    if context.logs or PROFILING():
+                        with phase(context, "FSDP::post_backward", self.fqn):
+                            group.post_backward()
+                    else:
+                        group.post_backward()
             finally:
                 group.visits_left = False
 
@@ -527,8 +582,13 @@ class FSDPState:
 
     def _end_of_backward(self) -> None:
         """The root's callback once the whole backward ran; see [Note: Backward hooks]."""
-        with self.context.untyped():
-            self._finish_backward()
+        context = self.context
+        with context.untyped():
+            if context.logs or PROFILING():
+                with phase(context, "FSDP::root_post_backward_callback"):
+                    self._finish_backward()
+            else:
+                self._finish_backward()
 
     def _finish_backward(self) -> None:
         context = self.context
