@@ -38,6 +38,22 @@ same object: the state, the bundle and the flags set on it stay valid).
 has no post-forward shard of an extension's outputs either. Under
 ``set_fullgraph_compile`` the same steps are traced ([Note: Extensions under
 trace], ``runtime/traced_extension.py``).
+
+[Note: Sharded and gathered as FSDP2]
+A subclass may implement only the operations FSDP2 runs on it: torchao's
+``NF4Tensor`` (QLoRA's frozen base weights) has ``torch.chunk``,
+``new_zeros``, ``copy_``, ``view(-1)`` and a ``narrow`` from row 0, and raises
+on ``aten.slice``. So a local shard is made as FSDP2's ``_init_sharded_param``
+makes it: this rank's chunk of ``torch.chunk`` by rows is copied into
+``narrow(0, 0, rows)`` of a zero padded chunk (``new_zeros``), and the shard is
+that chunk's ``narrow(0, 0, rows)``; nothing is indexed or sliced. The
+all-gather inputs may have any shape (NF4's are its flat inner tensors, not
+rows of the parameter): each is gathered by its element count and its output
+viewed as ``(-1, *shape[1:])`` (FSDP2's ``foreach_all_gather`` and
+``foreach_all_gather_copy_out``), so every rank's inputs must have the same
+sizes, as in FSDP2. One thing fsdp-rs adds: on an uneven shard an input of
+this rank's rows (dim 0) with as many dims as the parameter is padded with
+zero rows to the chunk, where FSDP2 requires the extension to pad it.
 """
 
 from __future__ import annotations
@@ -96,6 +112,12 @@ def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+def _rows_of(t: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether all-gather input ``t`` is rows of the local shard ``local``: its
+    rows and as many dims ([Note: Sharded and gathered as FSDP2])."""
+    return t.dim() == local.dim() and t.size(0) == local.size(0)
+
+
 def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A subclass gradient read into a plain tensor (by its own dispatch)."""
     if grad is None or type(grad) is torch.Tensor:
@@ -119,9 +141,10 @@ class ExtensionParamGroup(FSDPParamGroup):
 
     def _build_sharded(self, params: list[nn.Parameter]) -> None:
         """Each local shard is this rank's chunk of the parameter, made by the
-        parameter's own type (a subclass stays one), padded to the chunk size
-        and narrowed back, as FSDP2 makes it."""
-        rank = self.info.shard_rank
+        parameter's own type (a subclass stays one) with FSDP2's operations
+        only: ``torch.chunk``, a zero padded chunk, ``narrow`` + ``copy_``
+        into it and ``narrow`` back ([Note: Sharded and gathered as FSDP2])."""
+        rank, world = self.info.shard_rank, self.info.shard_size
         chunk_rows = self.plan.chunk_rows.tolist()
         sharded_rows = self.plan.sharded_rows.tolist()
         locals_ = []
@@ -130,13 +153,12 @@ class ExtensionParamGroup(FSDPParamGroup):
                 data = p.detach()
                 padded = data.new_zeros((chunk, *data.shape[1:]))
                 if rows:
-                    start = chunk * rank
-                    padded[:rows].copy_(data[start : start + rows])
+                    padded.narrow(0, 0, rows).copy_(torch.chunk(data, world, dim=0)[rank])
                 if self.offload_to_cpu and not padded.is_meta:
                     padded = padded.cpu()
                     if self.pin_memory:
                         padded = padded.pin_memory()
-                locals_.append(padded[:rows])
+                locals_.append(padded.narrow(0, 0, rows))
         self.sharded = self._dtype_carrier(locals_)
         self._make_sharded_params(self.requires_grad, locals_)
         self.managed.swap(self.sharded_params)
@@ -225,7 +247,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         return self._owners
 
     def _inputs_of(self, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
-        """Parameter ``i``'s all-gather inputs (each with ``chunk`` rows) and
+        """Parameter ``i``'s all-gather inputs (contiguous, of any shape) and
         metadata."""
         if local.device != self.device:  # CPU offload
             local = local.to(self.device, non_blocking=True)
@@ -246,24 +268,21 @@ class ExtensionParamGroup(FSDPParamGroup):
                 "arguments; it must be fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, "
                 "outer_size, outer_stride, module, mp_policy)"
             )
-        inputs = list(inputs)
-        for k, t in enumerate(inputs):
-            if t.dim() == 0 or t.size(0) not in (chunk, local.size(0)):
-                raise ValueError(
-                    f"fsdp_rs: {_PRE} of parameter {self.managed.fqns[i]} returned an input "
-                    f"of shape {tuple(t.shape)}; each input must have this rank's rows "
-                    f"({local.size(0)}) or the padded chunk's ({chunk}) in dim 0"
-                )
-            inputs[k] = self._padded(t, chunk)
-        return inputs, metadata
+        # [Note: Sharded and gathered as FSDP2]
+        uneven = local.dim() > 0 and local.size(0) != chunk
+        return [
+            self._padded(t, chunk) if uneven and _rows_of(t, local) else t.contiguous()
+            for t in inputs
+        ], metadata
 
     @staticmethod
     def _padded(t: torch.Tensor, chunk: int) -> torch.Tensor:
+        """This rank's rows ``t`` padded with zero rows to ``chunk``."""
         t = t.contiguous()
         if t.size(0) == chunk:
             return t
         padded = t.new_zeros((chunk, *t.shape[1:]))
-        padded[: t.size(0)].copy_(t)
+        padded.narrow(0, 0, t.size(0)).copy_(t)
         return padded
 
     @outside_functorch
