@@ -599,3 +599,32 @@ def test_misuse_raises_as_fsdp2(fake2):
         fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 2)))
     sliced = model[:2]  # constructing the swapped class builds the original one
     assert type(sliced) is nn.Sequential and not isinstance(sliced, FSDPModule)
+
+
+class _ListWithForward(nn.ModuleList):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+class _DictWithForward(nn.ModuleDict):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self["b"](self["a"](x))
+
+
+@pytest.mark.parametrize("container", [_ListWithForward, _DictWithForward])
+def test_container_subclass_with_forward_is_sharded_as_fsdp2(fake2, container) -> None:
+    # FSDP2 refuses ModuleList / ModuleDict only where they have no forward
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    if container is _ListWithForward:
+        module = container(layers)
+    else:
+        module = container({"a": layers[0], "b": layers[1]})
+    fully_shard(module)
+    assert isinstance(module, FSDPModule)
+    out = module(torch.randn(2, 4))  # the fake group gathers no values: shapes only
+    assert out.shape == (2, 4)
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters())

@@ -120,7 +120,8 @@ def fully_shard(
                 "once per module (bottom-up: submodules first, then their parent). Each "
                 "distinct composable distributed API can only be applied to a module once."
             )
-        if isinstance(m, nn.ModuleList | nn.ModuleDict):
+        # a container subclass with a forward of its own is a module like any other
+        if isinstance(m, nn.ModuleList | nn.ModuleDict) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward: "
                 f"{type(m).__name__} has none; shard its elements, or the module that "
