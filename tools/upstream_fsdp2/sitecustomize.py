@@ -21,6 +21,10 @@ def _apply():
     # ---- 1. device count: pretend the CPU "device module" has _MAX_WS devices
     #      so `min(N, torch.get_device_module("cpu").device_count())` -> 2.
     torch.cpu.device_count = lambda: _MAX_WS
+    # tests that size their world by torch.accelerator.device_count() (the
+    # extensions file's multi-thread tests) ran with no ranks on CPU
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.device_count = lambda: _MAX_WS
 
     import torch.testing._internal.common_distributed as cd
 
