@@ -238,6 +238,7 @@ def argument_types(world_size: int, rank: int) -> dict:
         m.set_reduce_scatter_max_input_buffers(2)
         fsdp_rs.fully_shard(_net(), mesh=mesh, reshard_after_forward=1)
         fsdp_rs.fully_shard(_net(), mesh=mesh, reshard_after_forward=None)
+        fsdp_rs.fully_shard(_net(), mesh=mesh, offload_policy=None)  # FSDP2: no offload
         m(_inputs(rank, 0)).sum().backward()
 
     return {"errors": errors, "accepted": _error(accepted)}

@@ -23,8 +23,8 @@ reduce dtype ([Note: Wider gradient accumulation] in ``runtime/gradients.py``).
 FSDP2 reads a policy's fields where it first uses them: a
 ``MixedPrecisionPolicy(param_dtype=torch.int64)`` fails at the first forward,
 deep in a copy. ``fully_shard`` checks them at once (``check_policies``), each
-error naming the field: the policies' types, their bool fields, and the
-dtypes. A parameter and reduce dtype is one the copy kernels cast between
+error naming the field: the policies' types (``offload_policy=None`` is
+taken, as FSDP2 takes it: no offload), their bool fields, and the dtypes. A parameter and reduce dtype is one the copy kernels cast between
 (``FLOAT_DTYPES``: float32, bfloat16, float16, float64); a reduce dtype may
 also be complex, the dtype complex gradients reduce in, and the output dtype
 any floating-point or complex dtype (it casts the forward's floating-point
@@ -118,7 +118,8 @@ def check_policies(
             "fully_shard: mp_policy must be a MixedPrecisionPolicy, got "
             f"{type(mp_policy).__name__} ({mp_policy!r})"
         )
-    if not isinstance(offload_policy, OffloadPolicy):
+    # None: no offload, as FSDP2 reads it (it tests for CPUOffloadPolicy only)
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             "fully_shard: offload_policy must be an OffloadPolicy (CPUOffloadPolicy() to "
             f"offload), got {type(offload_policy).__name__} ({offload_policy!r})"
