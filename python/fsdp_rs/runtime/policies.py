@@ -23,15 +23,16 @@ reduce dtype ([Note: Wider gradient accumulation] in ``runtime/gradients.py``).
 FSDP2 reads a policy's fields where it first uses them: a
 ``MixedPrecisionPolicy(param_dtype=torch.int64)`` fails at the first forward,
 deep in a copy. ``fully_shard`` checks them at once (``check_policies``), each
-error naming the field: the policies' types (``offload_policy=None`` is
-taken, as FSDP2 takes it: no offload), their bool fields, and the dtypes. A parameter and reduce dtype is one the copy kernels cast between
-(``FLOAT_DTYPES``: float32, bfloat16, float16, float64); a reduce dtype may
-also be complex, the dtype complex gradients reduce in, and the output dtype
-any floating-point or complex dtype (it casts the forward's floating-point
-outputs, with torch's ``to``). Complex parameters are gathered in their own
-dtype whatever ``param_dtype`` says, as in FSDP2; their gradients reduce in a
-complex dtype only, and real ones in a real one, which ``fully_shard`` checks
-against the parameters that take gradients.
+error naming the field: the policies' types (``offload_policy=None`` is taken,
+as FSDP2 takes it: no offload), their bool fields, and the dtypes. A parameter
+and reduce dtype is one the copy kernels cast between (``FLOAT_DTYPES``:
+float32, bfloat16, float16, float64); a reduce dtype may also be complex, the
+dtype complex gradients reduce in, and the output dtype any floating-point or
+complex dtype (it casts the forward's floating-point outputs, with torch's
+``to``). Complex parameters are gathered in their own dtype whatever
+``param_dtype`` says, as in FSDP2; their gradients reduce in a complex dtype
+only, and real ones in a real one, which ``fully_shard`` checks against the
+parameters that take gradients.
 """
 
 from __future__ import annotations
