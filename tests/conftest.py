@@ -54,8 +54,9 @@ def pytest_sessionstart(session):
 
 @pytest.fixture
 def fake_pg():
-    """Rank 0 of a fake process group of 2 (no data moves), for the compile
-    memory tests; a module may define its own."""
+    """Rank 0 of a fake process group of 2 (no data moves: collectives write
+    nothing, so tests on it check shapes, calls and state, not values); a
+    module may define its own."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fsdp_rs
 from fsdp_rs.runtime import observe
-
-
-@pytest.fixture
-def fake_pg_2():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _model() -> nn.Sequential:
@@ -49,7 +38,7 @@ EXPECTED = {
 }
 
 
-def test_profiler_sees_fsdp2s_labels(fake_pg_2) -> None:
+def test_profiler_sees_fsdp2s_labels(fake_pg) -> None:
     model = _model()
     _step(model)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -58,14 +47,14 @@ def test_profiler_sees_fsdp2s_labels(fake_pg_2) -> None:
     assert EXPECTED <= names, sorted(EXPECTED - names)
 
 
-def test_plan_check_labelled_at_the_first_forward(fake_pg_2) -> None:
+def test_plan_check_labelled_at_the_first_forward(fake_pg) -> None:
     model = _model()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _step(model)
     assert "fsdp_rs::plan_check" in {e.name for e in prof.events()}
 
 
-def test_debug_log_names_the_phases(fake_pg_2, caplog) -> None:
+def test_debug_log_names_the_phases(fake_pg, caplog) -> None:
     model = _model()
     _step(model)
     with caplog.at_level(logging.DEBUG, logger="torch.distributed.fsdp"):
@@ -75,7 +64,7 @@ def test_debug_log_names_the_phases(fake_pg_2, caplog) -> None:
     assert logging.getLogger("torch.distributed.fsdp.fsdp_rs") is observe.LOG
 
 
-def test_nothing_labelled_or_logged_when_off(fake_pg_2, monkeypatch) -> None:
+def test_nothing_labelled_or_logged_when_off(fake_pg, monkeypatch) -> None:
     model = _model()
     _step(model)
 

@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule as OldPathFSDPModule
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 import fsdp_rs
-
-
-@pytest.fixture
-def fake_pg_2():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _model() -> nn.Sequential:
@@ -32,7 +22,7 @@ def _model() -> nn.Sequential:
     return model
 
 
-def test_fsdp_rs_modules_are_torchs_fsdp_modules(fake_pg_2) -> None:
+def test_fsdp_rs_modules_are_torchs_fsdp_modules(fake_pg) -> None:
     model = _model()
     for m in (model, model[0], model[2]):
         assert isinstance(m, TorchFSDPModule)
@@ -43,7 +33,7 @@ def test_fsdp_rs_modules_are_torchs_fsdp_modules(fake_pg_2) -> None:
     assert type(model[0:1]) is nn.Sequential
 
 
-def test_torch_fsdp2_modules_are_not_fsdp_rs_modules(fake_pg_2) -> None:
+def test_torch_fsdp2_modules_are_not_fsdp_rs_modules(fake_pg) -> None:
     from torch.distributed.fsdp import fully_shard
 
     model = nn.Linear(8, 8)
@@ -68,7 +58,7 @@ def test_every_method_of_torchs_class_is_fsdp_rs_own() -> None:
     assert "__new__" in vars(fsdp_rs.FSDPModule)
 
 
-def test_library_code_written_against_torchs_class_reaches_fsdp_rs(fake_pg_2) -> None:
+def test_library_code_written_against_torchs_class_reaches_fsdp_rs(fake_pg) -> None:
     # Lightning's no_backward_sync, pipelining's stage backward: find modules
     # with torch's class, then call its setters.
     model = _model()
@@ -85,13 +75,13 @@ def test_library_code_written_against_torchs_class_reaches_fsdp_rs(fake_pg_2) ->
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_fsdp2_private_state_is_refused_by_name(fake_pg_2) -> None:
+def test_fsdp2_private_state_is_refused_by_name(fake_pg) -> None:
     model = _model()
     with pytest.raises(AssertionError, match="sharded by fsdp-rs's fully_shard"):
         model[0]._get_fsdp_state()
 
 
-def test_set_unshard_async_op(fake_pg_2, monkeypatch) -> None:
+def test_set_unshard_async_op(fake_pg, monkeypatch) -> None:
     model = _model()
     with pytest.raises(TypeError, match="async_op"):
         model._set_unshard_async_op("yes")
@@ -113,7 +103,7 @@ def test_set_unshard_async_op(fake_pg_2, monkeypatch) -> None:
     assert not model[0]._state.group.unshard_async_op and model[2]._state.group.unshard_async_op
 
 
-def test_all_reduce_hook_runs_with_its_stream_current(fake_pg_2) -> None:
+def test_all_reduce_hook_runs_with_its_stream_current(fake_pg) -> None:
     # torch's test_custom_hook_custom_stream, on the CPU device module's streams
     model = _model()
     device = torch.get_device_module("cpu")
