@@ -21,6 +21,12 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_rs.runtime import finalize
 from fsdp_rs.runtime.bundle import GroupBundle
 from fsdp_rs.runtime.comm_api import CommSettings
+from fsdp_rs.runtime.composable import (
+    check_composable,
+    fsdp2_state,
+    fsdp2_state_error,
+    register_fully_shard,
+)
 from fsdp_rs.runtime.errors import (
     FSDPArgumentTypeError,
     FSDPUsageError,
@@ -120,6 +126,7 @@ def fully_shard(
                 "once per module (bottom-up: submodules first, then their parent). Each "
                 "distinct composable distributed API can only be applied to a module once."
             )
+        check_composable(m, type(m).__name__)  # [Note: fsdp-rs in torch's composable registry]
         # a container subclass with a forward of its own is a module like any other
         if isinstance(m, nn.ModuleList | nn.ModuleDict) and type(m).forward is nn.Module.forward:
             raise ValueError(
@@ -188,7 +195,11 @@ def fully_shard(
             new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
             _CLASS_CACHE[cls] = new_cls
         m.__class__ = new_cls
+    register_fully_shard(modules, _class_name(modules[0]))
     return module
+
+
+fully_shard.state = fsdp2_state  # [Note: fsdp-rs in torch's composable registry]
 
 
 def _check_not_sharded(modules: list[nn.Module], managed) -> None:
@@ -392,7 +403,9 @@ class FSDPModule(CommSettings, TorchFSDPModule):
     two classes on every torch version CI runs): none of torch's runs on an
     fsdp-rs module. What reads FSDP2's private state (``_get_fsdp_state()``,
     ``fully_shard.state(m)``, ``FSDPMemTracker``) finds none and raises,
-    naming the module, instead of reading another library's objects.
+    naming the module, instead of reading another library's objects; torch's
+    composable ``replicate`` sees the module as fully sharded ([Note: fsdp-rs
+    in torch's composable registry]).
     ``isinstance(m, fsdp_rs.FSDPModule)`` tells the two libraries' modules
     apart.
     """
@@ -605,13 +618,7 @@ class FSDPModule(CommSettings, TorchFSDPModule):
     def _get_fsdp_state(self) -> Any:
         """FSDP2's private state of this module: fsdp-rs has none ([Note: An
         FSDPModule to torch]); raises, as FSDP2 raises for a module without it."""
-        raise FSDPUsageError(
-            f"{_class_name(self)} was sharded by fsdp-rs's fully_shard, which keeps no torch "
-            "FSDP2 state (FSDPModule._get_fsdp_state(), fully_shard.state(module)): code "
-            "that reads FSDP2's private objects does not work on it. Use the FSDPModule "
-            "methods (unshard, reshard, set_requires_gradient_sync, ...), or shard this "
-            "model with torch.distributed.fsdp.fully_shard for that code"
-        )
+        raise fsdp2_state_error(_class_name(self))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # module.to / to_empty / cuda replace the registered sharded parameters'
