@@ -2,7 +2,8 @@
 (FSDP2's HSDP by composition: ``fully_shard`` per block, then ``replicate`` on
 the root) works as it does over FSDP2's blocks: replicate sees them as already
 fully sharded ([Note: fsdp-rs in torch's composable registry] in
-``runtime/composable.py``). Each scenario trains the same model both ways in
+``runtime/composable.py``), and the other way round (``replicate`` per block,
+then the root sharded: its ``fully_shard`` leaves the blocks out). Each scenario trains the same model both ways in
 the same spawned gloo ranks and compares the losses and the final full
 parameters bit for bit; the other tests check the registry entries and the
 errors where torch's or fsdp-rs's API meets the other library's module."""
@@ -80,9 +81,16 @@ def train(world_size: int, rank: int, name: str) -> dict:
     for lib, shard in LIBS.items():
         torch.manual_seed(0)
         model = Net()
-        for block in model.blocks:
-            shard(block, mesh=block_mesh)
-        if kind == "fsdp_replicate":
+        if kind == "replicated_blocks":  # the other way round: replicate per block, then
+            for block in model.blocks:  # the root sharded, its call skipping the blocks
+                fsdp_replicate(block)
+            shard(model, mesh=mesh)
+        else:
+            for block in model.blocks:
+                shard(block, mesh=block_mesh)
+        if kind == "replicated_blocks":
+            pass
+        elif kind == "fsdp_replicate":
             fsdp_replicate(model)
         elif kind in ("ddp_hsdp", "ddp_2x2"):
             ddp_replicate(model, process_group=mesh["replicate"].get_group())
@@ -103,7 +111,7 @@ def train(world_size: int, rank: int, name: str) -> dict:
             opt.zero_grad(set_to_none=step % 2 == 0)
             losses.append(loss.item())
         taken = None
-        if kind != "fsdp_replicate":
+        if kind not in ("fsdp_replicate", "replicated_blocks"):
             taken = list(ddp_replicate.state(model)._param_names)
         full = {n: _full(p) for n, p in model.named_parameters()}
         records[lib] = (losses, taken, full)
@@ -123,6 +131,7 @@ SCENARIOS = {
 }
 if fsdp_replicate is not None:
     SCENARIOS["fsdp_replicate_adamw"] = ("fsdp_replicate", "adamw")
+    SCENARIOS["replicated_blocks_sgd"] = ("replicated_blocks", "sgd")
 W4 = ["ddp_2x2_adamw"]  # 4 ranks; the others run on 2
 CASES = [pytest.param(4, n, id=f"W4-{n}") if n in W4 else (2, n) for n in SCENARIOS]
 

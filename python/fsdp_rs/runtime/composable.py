@@ -31,7 +31,10 @@ returning None for fsdp-rs modules. The contract's duplicate check then
 refuses torch's ``fully_shard`` on an fsdp-rs module, and fsdp-rs's
 ``fully_shard`` refuses a module torch's ``fully_shard`` or ``replicate`` was
 applied to (torch's ``fully_shard`` silently leaves a replicated module's
-parameters out; fsdp-rs would shard them under DDP). All of it happens once
+parameters out; fsdp-rs would shard them under DDP). A replicated submodule's
+subtree is left out of an fsdp-rs call as torch's leaves it out
+(``params.collect_params``): ``replicate`` per block, then ``fully_shard`` on
+the root, trains as under FSDP2. All of it happens once
 per module at ``fully_shard``; nothing runs per step."""
 
 from __future__ import annotations

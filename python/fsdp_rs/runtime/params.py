@@ -21,6 +21,7 @@ from itertools import repeat
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY
 
 __all__ = [
     "ManagedParams",
@@ -139,7 +140,13 @@ def state_of(module: nn.Module):
 
 
 def _is_managed_elsewhere(module: nn.Module) -> bool:
-    return state_of(module) is not None
+    """Sharded by an earlier ``fully_shard``, or replicated by torch's
+    ``replicate``, whose subtree torch's ``fully_shard`` leaves out too ([Note:
+    fsdp-rs in torch's composable registry] in ``runtime/composable.py``)."""
+    if state_of(module) is not None:
+        return True
+    registry = vars(module).get(REGISTRY_KEY)
+    return registry is not None and "replicate" in registry
 
 
 def collect_params(
