@@ -64,3 +64,14 @@ def fake_pg():
     yield 2
     dist.destroy_process_group()
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the tests of the CI leg running, if any ([Note: CI legs] in
+    ``ci_legs.py``)."""
+    from ci_legs import select
+
+    keep, drop = select(items)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

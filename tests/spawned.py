@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -294,17 +294,22 @@ def each_rank(scenarios: dict, results: tuple, name: str):
         yield rank, result
 
 
-def seeds_from_env(variable: str, default: dict[int, range]) -> dict[int, range]:
-    """The seeds a fuzzer runs per world size: ``default``, or where the
-    environment variable ``variable`` reads ``a:b``, seeds a..b-1 at each."""
+def seeds_from_env(variable: str, default: dict[int, range]) -> dict[int, Sequence[int]]:
+    """The seeds a fuzzer runs per world size: ``default`` (in CI, the leg's
+    share of it), or where the environment variable ``variable`` reads ``a:b``,
+    seeds a..b-1 at each."""
     value = os.environ.get(variable)
     if not value:
-        return default
+        from ci_legs import fuzz_seeds  # [Note: CI legs]
+
+        return fuzz_seeds(default)
     first, last = map(int, value.split(":"))
     return {w: range(first, last) for w in default}
 
 
-def seeds_by_world_size(tmp_path_factory, seeds: dict[int, range], run: Callable, label: str):
+def seeds_by_world_size(
+    tmp_path_factory, seeds: dict[int, Sequence[int]], run: Callable, label: str
+):
     """For seeded scenario modules (the fuzzers): a function of the world size
     that spawns ``run`` over that size's seeds once, at its first call, and
     returns each rank's results; a failed spawn raises at every call, without
