@@ -13,8 +13,11 @@ torch's code reads them to compose the APIs:
   per block, then ``replicate`` on the root), and refuse to be applied to such
   a module itself;
 - the contract refuses a second application of one API to a module;
-- pipelining's stage (torch 2.13) reads ``fully_shard.state(m)`` of a module
-  that is a ``torch.distributed.fsdp.FSDPModule``.
+- pipelining's stage (torch < 2.15) reads ``fully_shard.state(m)`` of a
+  module that is a ``torch.distributed.fsdp.FSDPModule``: after the last
+  micro-batch's backward, it post-backwards each group of
+  ``state._state_ctx.all_states`` and calls the root's
+  ``state._root_post_backward_final_callback()``.
 
 ``fully_shard`` of fsdp-rs therefore registers its modules as torch's does,
 under the name "fully_shard" (one marker per call, shared by the modules of a
@@ -23,7 +26,12 @@ DDP's ``replicate`` took them and replaced the sharded DTensors with local
 Parameters. Under torch's ``fully_shard`` function it stores a state that is
 no ``FSDPState`` and raises on any use, naming fsdp-rs and what to do ([Note:
 An FSDPModule to torch]): code that reads FSDP2's private state of the module
-fails there instead of on a None, and no FSDP2 method runs on fsdp-rs state;
+fails there instead of on a None, and no FSDP2 method runs on fsdp-rs state.
+The pipeline stages' two reads are answered: no FSDP2 states, and a final
+callback that reduces what the stage's backwards without sync accumulated and
+ends the iteration, as ``finalize_backward`` does (``finish_pipelined_backward``
+in ``runtime/finalize.py``), so torch's schedules train fsdp-rs stages on every
+supported torch;
 ``fsdp_rs.fully_shard.state`` is torch's, for code that calls it on the
 function the switch put in torch's place.
 torch's ``_get_module_fsdp_state`` (its own module-to-state map) keeps
@@ -39,6 +47,8 @@ per module at ``fully_shard``; nothing runs per step."""
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import OrderedDict
 from typing import Any, NoReturn
 
@@ -48,6 +58,8 @@ from torch.distributed._composable_state import _State
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
 from fsdp_rs.runtime.errors import FSDPUsageError
+from fsdp_rs.runtime.finalize import finish_pipelined_backward
+from fsdp_rs.runtime.params import state_of
 
 __all__ = [
     "FsdpRsState",
@@ -70,17 +82,36 @@ def fsdp2_state_error(name: str) -> FSDPUsageError:
     )
 
 
+class _NoFSDP2States:
+    """``_state_ctx`` of an ``FsdpRsState``: no FSDP2 states to post-backward
+    (``finish_pipelined_backward`` reduces fsdp-rs's groups)."""
+
+    all_states: tuple = ()
+
+
+_NO_FSDP2_STATES = _NoFSDP2States()
+
+
 class FsdpRsState(_State):
     """What ``torch.distributed.fsdp.fully_shard.state(m)`` returns for an
-    fsdp-rs module: no FSDP2 state; any attribute torch reads raises ([Note:
-    fsdp-rs in torch's composable registry])."""
+    fsdp-rs module: no FSDP2 state; any attribute torch reads raises, but for
+    the two that torch < 2.15's pipeline stages read ([Note: fsdp-rs in torch's
+    composable registry])."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, module: nn.Module) -> None:
         object.__setattr__(self, "_fsdp_rs_module_name", name)
+        object.__setattr__(self, "_fsdp_rs_module", weakref.ref(module))
 
-    def __getattr__(self, attr: str) -> NoReturn:
+    def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):  # copy, pickle and friends probe these
             raise AttributeError(attr)
+        if attr == "_state_ctx":
+            return _NO_FSDP2_STATES
+        if attr == "_root_post_backward_final_callback":
+            module = self._fsdp_rs_module()
+            state = None if module is None else state_of(module)
+            if state is not None:
+                return functools.partial(finish_pipelined_backward, state)
         raise fsdp2_state_error(self._fsdp_rs_module_name)
 
     def __setattr__(self, attr: str, value: Any) -> NoReturn:
@@ -132,7 +163,7 @@ def register_fully_shard(modules: list[nn.Module], name: str) -> None:
     """Mark ``modules`` (one ``fully_shard`` call) in torch's registry as torch's
     contract marks them."""
     item = RegistryItem()
-    state = FsdpRsState(name)
+    state = FsdpRsState(name, modules[0])
     for m in modules:
         d = m.__dict__
         d.setdefault(REGISTRY_KEY, OrderedDict())[_NAME] = item

@@ -38,7 +38,12 @@ import torch
 from fsdp_rs.runtime.errors import check_bool
 from fsdp_rs.runtime.streams import NO_STREAMS
 
-__all__ = ["GradientReductionHandle", "finalize_backward", "set_manual"]
+__all__ = [
+    "GradientReductionHandle",
+    "finalize_backward",
+    "finish_pipelined_backward",
+    "set_manual",
+]
 
 
 class GradientReductionHandle:
@@ -138,15 +143,7 @@ def finalize_backward(state, async_op: bool):
             "fsdp_rs: finalize_backward must be called after backward completes, not inside it"
         )
     with context.untyped():  # the hooks' own tensor work ([Note: spmd_types parameters])
-        for each in reversed(context.states):
-            group = each.group
-            if group is None:
-                continue
-            if group.finalize_pending:
-                group.post_backward()
-            elif group.reshard_after_backward:
-                group.reshard()
-            group.post_backward_done = False
+        _reduce_pending(context)
         if not async_op:
             end_iteration(context)
             return None
@@ -155,6 +152,40 @@ def finalize_backward(state, async_op: bool):
     if context.streams is not NO_STREAMS:  # shared by the roots of share_comm_ctx
         context.streams.active_reduction = handle
     return handle
+
+
+def _reduce_pending(context) -> None:
+    """Reduce every group a backward left pending; reshard the others."""
+    for each in reversed(context.states):
+        group = each.group
+        if group is None:
+            continue
+        if group.finalize_pending:
+            group.post_backward()
+        elif group.reshard_after_backward:
+            group.reshard()
+        group.post_backward_done = False
+
+
+def finish_pipelined_backward(state) -> None:
+    """What torch < 2.15's pipeline stages run on a stage's root module after
+    its last micro-batch's backward, once they set gradient sync, resharding
+    and the last backward on: FSDP2's per-group post-backward, then its root's
+    end-of-backward callback (``fully_shard.state(m)``'s, [Note: fsdp-rs in
+    torch's composable registry]). fsdp-rs reduces what the backwards without
+    sync left pending and ends the iteration, as ``finalize_backward`` does."""
+    context = state.context
+    if context is None:  # no forward ran: nothing to reduce
+        return
+    if not state.is_root:
+        raise RuntimeError(
+            "fsdp_rs: a pipeline stage's module must be the root fully_shard module of the stage"
+        )
+    if context.callback_queued or torch._C._current_graph_task_id() != -1:
+        raise RuntimeError("fsdp_rs: the stage's backward must complete before its reduction")
+    with context.untyped():
+        _reduce_pending(context)
+        end_iteration(context)
 
 
 def end_iteration(context) -> None:
