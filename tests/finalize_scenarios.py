@@ -270,20 +270,17 @@ def _stage_model(lib: str, index: int, mesh) -> nn.Sequential:
 def pipeline(world_size: int, rank: int, schedule: str) -> dict:
     """torch's pipeline schedules over two ranks of stages (two stages each for
     the interleaved ones), each stage data parallel over the other mesh dim: a
-    schedule treats a stage as data parallel when it is an ``FSDPModule``, so
-    fsdp-rs runs with its ``FSDPModule`` in the place of torch's (as when
-    patched in for FSDP2's names); torch >= 2.15's stages drive manual
-    finalization, older ones read ``fully_shard.state(m)`` ([Note: fsdp-rs in
-    torch's composable registry]), and the interleaved schedules ``unshard(async_op=True)`` a
-    stage ahead of its forward."""
+    schedule treats a stage as data parallel when it is a torch ``FSDPModule``,
+    which fsdp-rs modules are (nothing patched); torch >= 2.15's stages drive
+    manual finalization, older ones read ``fully_shard.state(m)`` ([Note:
+    fsdp-rs in torch's composable registry]), and the interleaved schedules
+    ``unshard(async_op=True)`` a stage ahead of its forward."""
     if not PIPELINES_ON_GLOO:
         return {
             "skipped": "torch 2.9's pipeline schedules abort in their first p2p exchange on "
             "gloo, whatever shards the stages"
         }
     import torch.distributed.pipelining as pipelining
-    import torch.distributed.pipelining.schedules as schedule_module
-    import torch.distributed.pipelining.stage as stage_module
 
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp"))
     pp_rank = mesh["pp"].get_local_rank()
@@ -293,41 +290,36 @@ def pipeline(world_size: int, rank: int, schedule: str) -> dict:
         "interleaved_1f1b": (pipelining.ScheduleInterleaved1F1B, 2),
         "zero_bubble": (pipelining.ScheduleInterleavedZeroBubble, 2),
     }[schedule]
-    torch_class = stage_module.FSDPModule
     out = {}
     for lib in LIBS:
-        ours = fsdp_rs.FSDPModule if lib == "rs" else torch_class
-        stage_module.FSDPModule = schedule_module.FSDPModule = ours
-        try:
-            indices = [pp_rank + 2 * v for v in range(per_rank)]
-            models = [_stage_model(lib, i, mesh["dp"]) for i in indices]
-            stages = [
-                pipelining.PipelineStage(
-                    m, i, 2 * per_rank, torch.device("cpu"), group=mesh["pp"].get_group()
-                )
-                for m, i in zip(models, indices, strict=True)
-            ]
-            runner = cls(
-                stages if per_rank > 1 else stages[0],
-                n_microbatches=4,
-                loss_fn=lambda o, t: (o - t).pow(2).mean(),
+        # nothing patched: fsdp-rs modules are torch's FSDPModules to the schedules
+        indices = [pp_rank + 2 * v for v in range(per_rank)]
+        models = [_stage_model(lib, i, mesh["dp"]) for i in indices]
+        stages = [
+            pipelining.PipelineStage(
+                m, i, 2 * per_rank, torch.device("cpu"), group=mesh["pp"].get_group()
             )
-            params = [p for m in models for p in m.parameters()]
-            optim = torch.optim.AdamW(params, lr=1e-2)
-            losses = []
-            for step in range(3):
-                gen = torch.Generator().manual_seed(100 * mesh["dp"].get_local_rank() + step)
-                x, y = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
-                step_losses: list[torch.Tensor] = []
-                if pp_rank == 0:
-                    runner.step(x)
-                else:
-                    runner.step(target=y, losses=step_losses)
-                losses.append([loss.item() for loss in step_losses])
-                optim.step()
-                optim.zero_grad()
-        finally:
-            stage_module.FSDPModule = schedule_module.FSDPModule = torch_class
+            for m, i in zip(models, indices, strict=True)
+        ]
+        runner = cls(
+            stages if per_rank > 1 else stages[0],
+            n_microbatches=4,
+            loss_fn=lambda o, t: (o - t).pow(2).mean(),
+        )
+        params = [p for m in models for p in m.parameters()]
+        optim = torch.optim.AdamW(params, lr=1e-2)
+        losses = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * mesh["dp"].get_local_rank() + step)
+            x, y = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
+            step_losses: list[torch.Tensor] = []
+            if pp_rank == 0:
+                runner.step(x)
+            else:
+                runner.step(target=y, losses=step_losses)
+            losses.append([loss.item() for loss in step_losses])
+            optim.step()
+            optim.zero_grad()
         shards = {
             f"{i}.{k}": v
             for i, m in zip(indices, models, strict=True)
