@@ -10,9 +10,14 @@ phases as FSDP2 does: ``FSDP::root_pre_forward``, ``FSDP::pre_forward``,
 prefetches (``FSDP::forward_prefetch for <fqn>``), each group's with its
 modules' names under the root in parentheses; and its own phases
 ``fsdp_rs::plan_check`` and ``fsdp_rs::gradient_agreement``. The same names
-go to the logger ``torch.distributed.fsdp.fsdp_rs`` at DEBUG, which ``TORCH_LOGS=+fsdp``
-(torch's ``fsdp`` log, registered for ``torch.distributed.fsdp``; ``+`` for
-DEBUG, where FSDP2 logs these too) turns on.
+go to FSDP2's own logger, ``torch.distributed.fsdp.fully_shard``, at DEBUG,
+which ``TORCH_LOGS=+fsdp`` (torch's ``fsdp`` log, registered for
+``torch.distributed.fsdp``; ``+`` for DEBUG, where FSDP2 logs these too) turns
+on, and so does code that sets that logger's level for FSDP2 (torch's
+``test_fully_shard_logging.py`` does, and passes with fsdp-rs in place).
+A group whose post-backward the root's end-of-backward callback runs (its
+inputs took no gradient) is labelled ``FSDP::post_backward`` inside it, as
+in FSDP2.
 
 Neither may cost a step that is not observed. A hook reads ``Context.logs``
 and the profiler's flag (``PROFILING``, a C call: together about 0.1 us) and
@@ -33,7 +38,7 @@ import torch
 
 __all__ = ["LOG", "PROFILING", "logs_enabled", "phase", "rare"]
 
-LOG = logging.getLogger("torch.distributed.fsdp.fsdp_rs")
+LOG = logging.getLogger("torch.distributed.fsdp.fully_shard")  # FSDP2's
 PROFILING = torch._C._autograd._profiler_enabled
 
 

@@ -613,7 +613,11 @@ class FSDPState:
                 if manual and group.reduce_grads:
                     group.finalize_pending = True  # reduced by finalize_backward()
                     continue
-                group.post_backward()
+                if context.labelling:  # [Note: Labels and logs]
+                    with phase(context, "FSDP::post_backward", state.fqn):
+                        group.post_backward()
+                else:
+                    group.post_backward()
             # Not the last backward (set_is_last_backward(False), as with pipeline
             # schedules): an unshard started but not used stays for the next one.
             keep = not last and group.unshard_pending
