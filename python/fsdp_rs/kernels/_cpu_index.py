@@ -18,7 +18,8 @@ None) is copied per parameter instead, with strided copies and no index at all: 
 parameters, no memory beyond the copy's own, the same result bit for bit.
 
 The cache is per process, shared by every model and by ranks that are threads
-of one process: one lock guards it and its byte count. What one model leaves in
+of one process: one lock guards its writes and its byte count (a hit reads an
+entry, an immutable tuple, without it: about 1 us). What one model leaves in
 it changes no other model's results (an index is a function of the tables it
 is keyed on, and a table set that does not fit takes the per-parameter path,
 bit for bit the same), only which path a copy takes; a table set's entry goes
@@ -82,12 +83,13 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
     lifetime, so a table set takes one path for as long as it lives."""
     key = (tuple(map(id, tables)), extra)
     versions = tuple(map(_VERSION, tables))
+    # A hit needs no lock: entries are immutable tuples, replaced whole under it.
+    hit = _CACHE.get(key)
+    if hit is not None:
+        refs, seen, index = hit
+        if seen == versions and all(map(operator.is_, map(_DEREF, refs), tables)):
+            return index
     with _LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None:
-            refs, seen, index = hit
-            if seen == versions and all(map(operator.is_, map(_call, refs), tables)):
-                return index
         _evict(key)
         index = build() if _held[0] + 4 * rows <= BUDGET else None
         if index is not None and _held[0] + _nbytes(index) > BUDGET:
@@ -101,8 +103,7 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
 _VERSION = operator.attrgetter("_version")
 
 
-def _call(f: Callable):
-    return f()
+_DEREF = weakref.ReferenceType.__call__  # a weak reference's target, called from C
 
 
 def _index_dtype(bound: int) -> torch.dtype:
