@@ -14,7 +14,9 @@ would repeat the same work, it is spread instead:
 - tests on spawned gloo ranks (test modules using ``spawned.py``'s helpers:
   most of a leg's time) run at W = 2 in the oldest and the newest leg, the two
   ends of the supported range, and at W = 4 in the newest; the fuzzers' seeds
-  at W = 2 alternate between those two legs (``fuzz_seeds``);
+  at W = 2 alternate between those two legs (``fuzz_seeds``), and so do the
+  whole-model compile scenarios of ``test_fullgraph.py`` (``spawned_share``:
+  each is a compile of its own, a fifth of a leg's spawned time together);
 - the benchmark CLIs' tests and the wheel build (tools, not the runtime) run in
   the newest leg, the torch a fresh ``pip install`` gets.
 
@@ -29,7 +31,12 @@ import pytest
 
 LEGS = ("pinned", "oldest", "newest")
 SPAWNED_LEGS = ("oldest", "newest")  # tests on spawned ranks, at W = 2
-NEWEST_ONLY_FILES = ("test_bench.py", "test_bench_training.py", "test_wheel.py")
+NEWEST_ONLY_FILES = (
+    "test_bench.py",
+    "test_bench_modules.py",
+    "test_bench_training.py",
+    "test_wheel.py",
+)
 
 
 def ci_leg() -> str | None:
@@ -67,6 +74,17 @@ def select(items: list) -> tuple[list, list]:
     for item in items:
         (keep if leg in legs_of(item) else drop).append(item)
     return keep, drop
+
+
+def spawned_share(names: list[str]) -> list[str]:
+    """The W = 2 scenarios of a spawned module that spreads its own (each a
+    long compile: ``test_fullgraph.py``) for the CI leg running: alternate ones
+    in the first and the second of ``SPAWNED_LEGS``; all of them outside CI."""
+    leg = ci_leg()
+    if leg not in SPAWNED_LEGS:
+        return list(names)
+    share = SPAWNED_LEGS.index(leg)
+    return [n for i, n in enumerate(names) if i % len(SPAWNED_LEGS) == share]
 
 
 def fuzz_seeds(seeds: dict[int, range]) -> dict[int, list[int]]:
