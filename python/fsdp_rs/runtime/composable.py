@@ -59,7 +59,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _tor
 
 from fsdp_rs.runtime.errors import FSDPUsageError
 from fsdp_rs.runtime.finalize import finish_pipelined_backward
-from fsdp_rs.runtime.params import state_of
+from fsdp_rs.runtime.params import REPLICATE, composable_registry, state_of
 
 __all__ = [
     "FsdpRsState",
@@ -142,7 +142,7 @@ def fsdp2_state(module: nn.Module) -> Any:
 
 def check_composable(module: nn.Module, name: str) -> None:
     """Refuse a module torch's ``fully_shard`` or ``replicate`` was applied to."""
-    registry = vars(module).get(REGISTRY_KEY)
+    registry = composable_registry(module)
     if not registry:
         return
     if _NAME in registry:
@@ -151,7 +151,7 @@ def check_composable(module: nn.Module, name: str) -> None:
             "(torch.distributed.fsdp.fully_shard); shard a module with one library. Each "
             "distinct composable distributed API can only be applied to a module once."
         )
-    if "replicate" in registry:
+    if REPLICATE in registry:
         raise FSDPUsageError(
             f"fully_shard: {name} was already passed to torch's replicate, which manages its "
             "parameters; apply fully_shard to its submodules first, then replicate to the "

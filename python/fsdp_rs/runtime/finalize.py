@@ -138,7 +138,7 @@ def finalize_backward(state, async_op: bool):
             "fsdp_rs: finalize_backward requires manual backward finalization: call "
             "set_manual_backward_finalization(True) on the root before forward"
         )
-    if context.callback_queued or torch._C._current_graph_task_id() != -1:
+    if _in_backward(context):
         raise RuntimeError(
             "fsdp_rs: finalize_backward must be called after backward completes, not inside it"
         )
@@ -152,6 +152,11 @@ def finalize_backward(state, async_op: bool):
     if context.streams is not NO_STREAMS:  # shared by the roots of share_comm_ctx
         context.streams.active_reduction = handle
     return handle
+
+
+def _in_backward(context) -> bool:
+    """Whether a backward of this root is running (or its end is still queued)."""
+    return context.callback_queued or torch._C._current_graph_task_id() != -1
 
 
 def _reduce_pending(context) -> None:
@@ -181,7 +186,7 @@ def finish_pipelined_backward(state) -> None:
         raise RuntimeError(
             "fsdp_rs: a pipeline stage's module must be the root fully_shard module of the stage"
         )
-    if context.callback_queued or torch._C._current_graph_task_id() != -1:
+    if _in_backward(context):
         raise RuntimeError("fsdp_rs: the stage's backward must complete before its reduction")
     with context.untyped():
         _reduce_pending(context)

@@ -24,10 +24,12 @@ from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY
 
 __all__ = [
+    "REPLICATE",
     "ManagedParams",
     "alias_storage",
     "clear_grads",
     "collect_params",
+    "composable_registry",
     "get_grads",
     "is_none",
     "set_grads",
@@ -132,11 +134,20 @@ class ManagedParams:
 STATE_ATTR = "_fsdp_rs_state"
 
 
+REPLICATE = "replicate"  # torch's replicate, in its composable registry
+
+
 def state_of(module: nn.Module):
     """The fsdp-rs state ``fully_shard`` gave ``module`` itself, or None. Read
     from the instance dict: a wrapper's ``__getattr__`` (``CheckpointWrapper``
     forwards to the module it wraps) must not lend it the wrapped one's."""
     return vars(module).get(STATE_ATTR)
+
+
+def composable_registry(module: nn.Module) -> dict | None:
+    """torch's registry of the composable APIs applied to ``module`` itself
+    (API name -> marker), read from the instance dict as ``state_of`` reads."""
+    return vars(module).get(REGISTRY_KEY)
 
 
 def _is_managed_elsewhere(module: nn.Module) -> bool:
@@ -145,8 +156,8 @@ def _is_managed_elsewhere(module: nn.Module) -> bool:
     fsdp-rs in torch's composable registry] in ``runtime/composable.py``)."""
     if state_of(module) is not None:
         return True
-    registry = vars(module).get(REGISTRY_KEY)
-    return registry is not None and "replicate" in registry
+    registry = composable_registry(module)
+    return registry is not None and REPLICATE in registry
 
 
 def collect_params(
