@@ -26,8 +26,8 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_rs
-from fsdp_rs.runtime.plan_check import ENV_VAR
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.checks.plan_check import ENV_VAR
 from spawned import finish
 
 WIDTH = 16

@@ -1,4 +1,4 @@
-"""QLoRA ([Note: Sharded and gathered as FSDP2] in runtime/extensions.py):
+"""QLoRA ([Note: Sharded and gathered as FSDP2] in runtime/variants/extensions.py):
 frozen quantized base weights with trainable LoRA adapters, each block
 ``fully_shard``ed, trained with fsdp-rs and with torch FSDP2 side by side in
 one spawned gloo process.

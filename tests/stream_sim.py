@@ -307,7 +307,7 @@ def _accesses(func, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list
 def simulated_streams():
     """fsdp-rs on CPU with the stream protocol of an accelerator: yields the
     ``SimDevice`` and a ``RaceChecker`` (enter it around the steps to check)."""
-    import fsdp_rs.runtime.streams as streams
+    import fsdp_rs.runtime.comm.streams as streams
 
     device = SimDevice()
     original = streams.device_module

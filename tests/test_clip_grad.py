@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_rs
-from fsdp_rs.runtime.grad_buffers import sharded_grad_buffers
+from fsdp_rs.runtime.group.grad_buffers import sharded_grad_buffers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from spawned import gloo_worker, read_ranks, spawn_scenarios

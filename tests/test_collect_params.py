@@ -10,8 +10,8 @@ import re
 import torch
 from torch import nn
 
-from fsdp_rs.runtime import params as params_mod
-from fsdp_rs.runtime.params import collect_params
+from fsdp_rs.runtime.group import params as params_mod
+from fsdp_rs.runtime.group.params import collect_params
 
 OWNER = "_test_owner"
 

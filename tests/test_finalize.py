@@ -1,6 +1,6 @@
 """Manual backward finalization, kept unsharded storage and torch's pipeline
 schedules over fsdp-rs stages, against torch FSDP2 (``finalize_scenarios.py``;
-[Note: Manual backward finalization] in ``runtime/finalize.py``)."""
+[Note: Manual backward finalization] in ``runtime/step/finalize.py``)."""
 
 from __future__ import annotations
 

@@ -318,7 +318,7 @@ def test_set_fullgraph_compile_takes_groups_sharded_on_dim_1(fake_pg):
     """The shard1 scenario's model: its matrices are sharded on dim 1 (in a
     ShardDimGroup per fully_shard call, beside the plain group of its vectors)
     and the traced hooks take them, with the chunk table the eager copies use."""
-    from fsdp_rs.runtime.shard_dim import ShardDimGroup
+    from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup
 
     model = _model(fake_pg, shard1=True)
     placements = {n: p.placements for n, p in model.named_parameters()}
@@ -469,7 +469,7 @@ def test_fullgraph_casts_float_inputs(one_gloo_rank):
     rebuilds the argument containers, which Dynamo must trace): compiled equals
     eager bit for bit."""
     from fsdp_rs import MixedPrecisionPolicy, fully_shard
-    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+    from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
 
     runs = []
     for traced in (False, True):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_scenarios import SCENARIOS, cuda_scenarios, cuda_worker, worker
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
 from spawned import read_ranks, spawn_scenarios
 
 WORLD_SIZES = (2, 4)

@@ -18,8 +18,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_rs
 from fsdp_rs import FSDPModule, fully_shard
-from fsdp_rs.runtime.gradients import GradientReduction
-from fsdp_rs.runtime.param_group import ShardedState
+from fsdp_rs.runtime.group.gradients import GradientReduction
+from fsdp_rs.runtime.group.param_group import ShardedState
 
 
 def _port() -> int:
@@ -32,7 +32,7 @@ def _port() -> int:
 def _cpu_default_mesh(monkeypatch):
     """These tests shard CPU modules over gloo and fake groups without a mesh;
     next to a GPU the default mesh (as FSDP2's) would be CUDA's."""
-    monkeypatch.setattr(fsdp_rs.runtime.mesh, "default_device_type", lambda: "cpu")
+    monkeypatch.setattr(fsdp_rs.runtime.comm.mesh, "default_device_type", lambda: "cpu")
 
 
 @pytest.fixture
@@ -236,8 +236,8 @@ def test_post_backward_runs_during_backward(gloo1, monkeypatch, both):
     """A block's gradients are reduced once its backward is done, not at the
     end of the whole backward: through the view pre-hook when one input needs
     a gradient, the autograd function when two do. Gradients equal autograd's."""
-    from fsdp_rs.runtime.param_group import FSDPParamGroup
-    from fsdp_rs.runtime.state import FSDPState
+    from fsdp_rs.runtime.group.param_group import FSDPParamGroup
+    from fsdp_rs.runtime.step.state import FSDPState
 
     torch.manual_seed(0)
     reference = Stem()
@@ -377,7 +377,7 @@ def test_mixed_dtypes_one_group_per_dtype(gloo1):
     """A module with fp32 and bf16 parameters is sharded as one group per dtype
     ([Note: One group per dtype]); it trains like the plain module (one rank:
     bit for bit), and flags reach both groups."""
-    from fsdp_rs.runtime.bundle import GroupBundle
+    from fsdp_rs.runtime.variants.bundle import GroupBundle
 
     class Mixed(nn.Sequential):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,7 +415,7 @@ def test_identical_groups_share_one_layout(fake2):
     """Groups with the same shapes, dtypes and mesh place share one plan and one
     set of tables ([Note: Shared group layouts]); others get their own, and a
     layout goes with the last group using it."""
-    from fsdp_rs.runtime.layout import _LAYOUTS
+    from fsdp_rs.runtime.group.layout import _LAYOUTS
 
     def blocks() -> nn.Sequential:
         torch.manual_seed(0)
@@ -456,7 +456,7 @@ class _Recorder(nn.Module):
 def test_root_inputs_on_the_device_pass_as_they_are(gloo1):
     """The root moves forward inputs to its device (as FSDP2); inputs already
     there keep their identity, containers included."""
-    from fsdp_rs.runtime.state import _elsewhere
+    from fsdp_rs.runtime.step.state import _elsewhere
 
     model = fully_shard(_Recorder())
     batch = {"x": [torch.randn(2, 4)]}
@@ -473,7 +473,7 @@ def test_containers_walk_and_rebuild_only_what_changed():
     import dataclasses as dc
     from collections import OrderedDict, namedtuple
 
-    from fsdp_rs.runtime.containers import map_tensors, tensors_in
+    from fsdp_rs.runtime.step.containers import map_tensors, tensors_in
 
     @dc.dataclass
     class D:

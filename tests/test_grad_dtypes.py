@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_rs
 from fsdp_rs.optim import FlatOptimizer
-from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes
-from fsdp_rs.runtime.params import state_of
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.group.grad_dtypes import adopt_grad_dtypes
+from fsdp_rs.runtime.group.params import state_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from spawned import gloo_worker, read_ranks, spawn_scenarios

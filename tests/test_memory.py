@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs.bench.memory import CONFIGS, PHASES, measure
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stream_sim import simulated_streams

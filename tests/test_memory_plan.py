@@ -16,8 +16,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_rs
 from fsdp_rs import ActivationProfile, Activations, activation_profile, fully_shard, predict_memory
 from fsdp_rs.planning import reference
-from fsdp_rs.runtime.memory_plan import group_memory
-from fsdp_rs.runtime.params import state_of
+from fsdp_rs.runtime.group.params import state_of
+from fsdp_rs.runtime.memory.memory_plan import group_memory
 
 
 @pytest.fixture
@@ -333,7 +333,7 @@ def test_group_bytes_with_cpu_offload_leave_the_host_out():
     nothing). A stand-in group, as no accelerator is needed to check the rule."""
     from types import SimpleNamespace
 
-    from fsdp_rs.runtime.memory_plan import _group_bytes
+    from fsdp_rs.runtime.memory.memory_plan import _group_bytes
 
     plan = fsdp_rs.plan_group(np.array([2], dtype=np.int64), np.array([8, 4], dtype=np.int64), 4, 0)
     layout = SimpleNamespace(plan=plan)

@@ -107,7 +107,7 @@ def test_fullgraph_matches_eager(results, name):
     reduces a TP partial gradient in the wider reduce dtype (torch >= 2.15,
     bf16 parameters), set_fullgraph_compile refuses. No recompiles after the
     first step."""
-    from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+    from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
 
     refuses = _FULLGRAPH[name] and fsdp2_has_grad_dtype_policy()
     for rank, r in each_rank(SCENARIOS, results, name):

@@ -1,5 +1,5 @@
 """Profiler labels and debug logs under FSDP2's names, and no cost when neither
-is on ([Note: Labels and logs] in ``runtime/observe.py``)."""
+is on ([Note: Labels and logs] in ``runtime/step/observe.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fsdp_rs
-from fsdp_rs.runtime import observe
+from fsdp_rs.runtime.step import observe
 
 
 def _model() -> nn.Sequential:

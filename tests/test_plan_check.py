@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs.planning import plan_group, shapes_to_arrays
-from fsdp_rs.runtime import plan_check
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.checks import plan_check
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_check_scenarios import Collectives, first_forward_collectives, mlp, shard, worker

@@ -2,7 +2,7 @@
 (FSDP2's HSDP by composition: ``fully_shard`` per block, then ``replicate`` on
 the root) works as it does over FSDP2's blocks: replicate sees them as already
 fully sharded ([Note: fsdp-rs in torch's composable registry] in
-``runtime/composable.py``); and the other way round (``replicate`` per block,
+``runtime/api/composable.py``); and the other way round (``replicate`` per block,
 then the root sharded: its ``fully_shard`` leaves the blocks out). Each
 scenario trains the same model both ways in the same spawned gloo ranks and
 compares the losses and the final full parameters bit for bit; the other

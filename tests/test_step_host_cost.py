@@ -1,5 +1,5 @@
 """The training step's host cost is O(groups) ([Note: Trusted calls] in
-``ops/copies.py``, [Note: Direct collectives] in ``runtime/collectives.py``):
+``ops/copies.py``, [Note: Direct collectives] in ``runtime/comm/collectives.py``):
 counted as Python function calls, not timed, so that the test is exact on a
 noisy machine. ``python -m fsdp_rs.bench step`` measures the time."""
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fsdp_rs
 from fsdp_rs.bench.training import BenchModel, shard_model
 from fsdp_rs.optim import FlatOptimizer
-from fsdp_rs.runtime import collectives
+from fsdp_rs.runtime.comm import collectives
 
 ROOT = os.path.dirname(fsdp_rs.__file__)
 TORCH = os.path.dirname(torch.__file__)
@@ -166,7 +166,7 @@ def _get_grads_per_step(modules: int, monkeypatch) -> int:
     parameter's ``.grad``) in one step of a single group over ``modules``
     ``nn.Linear`` (``fully_shard([...])``, as ``auto_shard`` makes)."""
     from fsdp_rs import fully_shard
-    from fsdp_rs.runtime import gradients
+    from fsdp_rs.runtime.group import gradients
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(modules)])

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_rs import MixedPrecisionPolicy, fully_shard
-from fsdp_rs.runtime.param_group import FSDPParamGroup
-from fsdp_rs.runtime.policies import fsdp2_has_grad_dtype_policy
-from fsdp_rs.runtime.streams import CommStreams
+from fsdp_rs.runtime.api.policies import fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.comm.streams import CommStreams
+from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stream_sim import RaceChecker, SimDevice, simulated_streams
@@ -168,7 +168,7 @@ def _run(name: str) -> RaceChecker:
 def _another_rank_had_every_gradient():
     """The fake process group's all-reduce leaves its input alone; the flags'
     MAX over a rank that had every gradient is all ones."""
-    import fsdp_rs.runtime.agreement as agreement
+    import fsdp_rs.runtime.checks.agreement as agreement
 
     def all_reduce(tensor, op=None, group=None):
         tensor.fill_(1)

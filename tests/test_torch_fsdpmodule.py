@@ -1,6 +1,6 @@
 """An fsdp-rs module is a ``torch.distributed.fsdp.FSDPModule`` to torch and to
 libraries, and torch's methods never run on it ([Note: An FSDPModule to torch]
-in ``runtime/api.py``)."""
+in ``runtime/api/fully_shard.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Trainable sets that differ between ranks ([Note: One trainable set on every
-rank] in ``runtime/agreement.py``), run by spawned gloo ranks.
+rank] in ``runtime/checks/agreement.py``), run by spawned gloo ranks.
 
 Each scenario trains an MLP of equal square layers for a step, changes
 ``requires_grad`` as it says, and runs a second step: ``per_rank`` freezes

@@ -160,7 +160,7 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
     pick another attention), and nothing allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fsdp_rs.runtime.activation_profile import activation_profile
+    from fsdp_rs.runtime.memory.activation_profile import activation_profile
 
     dtype = _compute_dtype(options)
     default = torch.get_default_dtype()
@@ -171,7 +171,7 @@ def _activations(name: str, options: dict, dim: int, layers: int, batch: int, de
         finally:
             torch.set_default_dtype(default)
         # A wider grad_dtype left out: a synced backward computes the gradients in
-        # the compute dtype ([Note: Wider gradient accumulation] in runtime/gradients.py)
+        # the compute dtype ([Note: Wider gradient accumulation] in runtime/group/gradients.py)
         grad_dtype = options.get("grad_dtype")
         if grad_dtype and getattr(torch, grad_dtype).itemsize > dtype.itemsize:
             options = {k: v for k, v in options.items() if k != "grad_dtype"}
@@ -187,7 +187,7 @@ def _predict(
     fsdp-rs, not yet run) on ``device``: AdamW's states (two sharded copies of
     the trained parameters on ``device``, a step count each; with CPU offload
     on an accelerator they are on the host) and the input are resident."""
-    from fsdp_rs.runtime.memory_plan import predict_memory
+    from fsdp_rs.runtime.memory.memory_plan import predict_memory
 
     trained = [p for p in model.parameters() if p.requires_grad and p.device.type == device.type]
     optimizer = _optimizer_bytes(trained, options)

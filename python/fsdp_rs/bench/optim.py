@@ -26,7 +26,7 @@ from torch import nn
 
 from fsdp_rs.bench.timing import fresh_dtensor_caches, time_call
 from fsdp_rs.bench.training import BenchModel, fake_process_group, shard_model
-from fsdp_rs.runtime.grad_buffers import local_tensor as _local
+from fsdp_rs.runtime.group.grad_buffers import local_tensor as _local
 
 __all__ = ["COLUMNS", "OPTIMIZERS", "bench_optim", "check_columns"]
 

@@ -174,7 +174,7 @@ def shard_model(model: nn.Module, library: str, mesh=None) -> float:
 def _groups(model: nn.Module) -> int:
     """fully_shard groups of a sharded model (modules whose class fully_shard
     swapped; a list call's modules share one state, counted once)."""
-    from fsdp_rs.runtime.params import state_of
+    from fsdp_rs.runtime.group.params import state_of
 
     states = {id(state_of(m)) for m in model.modules() if state_of(m) is not None}
     return len(states) or sum(type(m).__name__.startswith("FSDP") for m in model.modules())

@@ -26,7 +26,7 @@ so their kernels are the same with or without this note.
 [Note: Complex gradients]
 FSDP2 trains complex parameters: it divides their gradients (``div_`` by a
 real factor, before and after the reduce-scatter, as for fp16: [Note: Gradient
-division] in ``runtime/collectives.py``) and accumulates them (``+=``) with
+division] in ``runtime/comm/collectives.py``) and accumulates them (``+=``) with
 torch's complex ops. The copies that divide or accumulate therefore also take
 ``COMPLEX_DTYPES``, without a cast (complex to complex of the same dtype), and
 do that arithmetic with the same torch ops on the whole tensor, on every

@@ -17,7 +17,7 @@ The copy never casts, so it moves raw bits of any dtype ([Note: Raw copies] in
 
 [Note: Chunked copies]
 A parameter FSDP shards on a dim ``d > 0`` ([Note: Sharding on another dim] in
-``runtime/shard_dim.py``) is planned as ``(W, pre * L)``: rank ``r``'s ``n =
+``runtime/variants/shard_dim.py``) is planned as ``(W, pre * L)``: rank ``r``'s ``n =
 pre * L`` elements are its local shard, ``pre`` runs of ``L`` (the shard's size
 on ``d`` times the numel of the dims after it), and in the unsharded parameter
 run ``a`` of rank ``r`` starts at ``(a * W + r) * L``, not at ``r * n + a * L``.

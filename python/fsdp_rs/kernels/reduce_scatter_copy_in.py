@@ -23,7 +23,7 @@ more bandwidth: concatenating first adds a full read and write of every
 gradient, and pre-placing gradients in a group buffer makes autograd accumulate
 into zeroed memory (a memset plus a read-modify-write; the runtime does it only where
 the buffer fits in memory FSDP2 would hold anyway: [Note: Reduction memory]
-in ``runtime/gradients.py``). The numel column bounds
+in ``runtime/group/gradients.py``). The numel column bounds
 every read, so a wrong-sized gradient can never make the kernel read outside
 it; the host checks each size before the launch ([Note: Gradient sizes]).
 """

@@ -7,7 +7,7 @@ tensor laid out like the unsharded buffer: param ``p``'s ``W * n`` elements
 (its gradient, then zeros for the padding rows) at ``unsharded_offsets[p]``.
 This is the inverse of the all-gather copy-out into the group buffer, and what
 the runtime passes when autograd accumulated the gradients into views of such
-a buffer ([Note: Pre-placed gradients] in ``runtime/gradients.py``): one
+a buffer ([Note: Pre-placed gradients] in ``runtime/group/gradients.py``): one
 tensor argument, nothing per param. Without a cast or a division the copy moves
 raw bits, any dtype ([Note: Raw copies] in ``_dtypes.py``).
 """

@@ -2,7 +2,7 @@
 group rather than per parameter: ``FlatOptimizer`` and ``clip_grad_norm_``.
 
 This room sits above ``fsdp_rs.runtime`` and reads the groups' gradient buffers
-through ``fsdp_rs.runtime.grad_buffers`` only.
+through ``fsdp_rs.runtime.group.grad_buffers`` only.
 """
 
 from fsdp_rs.optim.clip import clip_grad_norm_

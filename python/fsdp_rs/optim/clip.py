@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_rs.runtime.grad_buffers import local_tensor, sharded_grad_buffers
-from fsdp_rs.runtime.params import is_none
+from fsdp_rs.runtime.group.grad_buffers import local_tensor, sharded_grad_buffers
+from fsdp_rs.runtime.group.params import is_none
 
 __all__ = ["clip_grad_norm_"]
 

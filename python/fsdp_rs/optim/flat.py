@@ -61,8 +61,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.grad_buffers import ShardedBuffer, local_tensor, sharded_buffers
-from fsdp_rs.runtime.params import clear_grads
+from fsdp_rs.runtime.group.grad_buffers import ShardedBuffer, local_tensor, sharded_buffers
+from fsdp_rs.runtime.group.params import clear_grads
 
 __all__ = ["ELEMENTWISE", "FlatOptimizer"]
 

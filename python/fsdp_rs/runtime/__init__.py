@@ -1,32 +1,35 @@
-"""The ``fully_shard`` runtime: param groups, their state machine, hooks and API.
+"""The ``fully_shard`` runtime, one subpackage per responsibility:
 
-Files by responsibility, as in torch FSDP2: ``policies`` (the policy classes),
-``mesh`` (process groups of a device mesh), ``params`` (sharded and unsharded
-parameter views of the group buffers), ``collectives`` (gradient divide
-factors), ``param_group`` (one planner call, buffers and parameters), ``unshard``
-(the SHARDED / UNSHARDED / SHARDED_POST_FORWARD transitions),
-``finalize`` (who ends a backward iteration: the end of backward, or the
-caller's ``finalize_backward``),
-``gradients`` (gradient buffers and the post-backward reduction),
-``streams`` (side streams, events and cross-stream lifetimes on accelerators),
-``bundle`` (one group per dtype, driven as one),
-``state`` (module hooks, root and lazy init), ``plan_check`` (the ranks agree
-on what they planned, at lazy init), ``compile`` (what Dynamo must not trace),
-``containers`` (tensors in module inputs and outputs), ``comms`` and
-``comm_api`` (custom collectives and the methods that set them), ``api``
-(``fully_shard`` and ``FSDPModule``), ``auto_shard`` (``fully_shard`` over a
-whole model in groups the planner chooses), ``memory_plan`` (a step's peak memory,
-predicted from the plans before it runs) and ``activation_profile`` (what the
-forward leaves for backward, measured on a copy that holds no memory).
+- ``api``: what users call (``fully_shard``, ``FSDPModule``, ``auto_shard``, policies);
+- ``group``: one param group: its buffers and parameters, unshard, reduction;
+- ``variants``: groups that differ from the plain one (extensions, ``Shard(d)``,
+  N-D meshes, spmd_types, one group per dtype);
+- ``step``: the hooks that drive a training step, the root, lazy init, finalize;
+- ``comm``: meshes, collectives, streams;
+- ``checks``: what the ranks must agree on (plans, trainable sets, optimizers);
+- ``compile``: ``torch.compile`` (eager hooks Dynamo skips, traced hooks);
+- ``memory``: a step's peak memory, predicted before it runs.
+
+Each subpackage's docstring names its files. ``docs/step.md`` walks one training
+step through them.
 """
 
-from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations, activation_profile
-from fsdp_rs.runtime.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from fsdp_rs.runtime.auto_shard import auto_shard, auto_shard_groups
-from fsdp_rs.runtime.comm_api import share_comm_ctx
-from fsdp_rs.runtime.finalize import GradientReductionHandle
-from fsdp_rs.runtime.memory_plan import predict_memory
-from fsdp_rs.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.api.auto_shard import auto_shard, auto_shard_groups
+from fsdp_rs.runtime.api.comm_api import share_comm_ctx
+from fsdp_rs.runtime.api.fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from fsdp_rs.runtime.api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.memory.activation_profile import (
+    ActivationProfile,
+    Activations,
+    activation_profile,
+)
+from fsdp_rs.runtime.memory.memory_plan import predict_memory
+from fsdp_rs.runtime.step.finalize import GradientReductionHandle
 
 __all__ = [
     "ActivationProfile",

@@ -7,7 +7,7 @@
 //! collectives of different sizes: gloo aborts, NCCL hangs or reads garbage.
 //! The runtime therefore compares a digest of every group's plan across the
 //! ranks before the first collective ([Note: Cross-rank plan check] in
-//! `python/fsdp_rs/runtime/plan_check.py`). A plan's part of that digest covers
+//! `python/fsdp_rs/runtime/checks/plan_check.py`). A plan's part of that digest covers
 //! what all ranks of a shard group compute alike: the config but the rank, the
 //! buffer sizes and the rank-independent tables (numels, chunk rows, padded
 //! shard sizes and numels, strides, row segments and offsets, unsharded

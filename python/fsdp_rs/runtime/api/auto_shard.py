@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from fsdp_rs._core import module_groups
-from fsdp_rs.runtime.api import FSDPModule, fully_shard, is_managed
-from fsdp_rs.runtime.policies import MixedPrecisionPolicy, OffloadPolicy
+from fsdp_rs.runtime.api.fully_shard import FSDPModule, fully_shard, is_managed
+from fsdp_rs.runtime.api.policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["DEFAULT_GROUP_BYTES", "auto_shard", "auto_shard_groups"]
 

@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from fsdp_rs.runtime.comms import (
+from fsdp_rs.runtime.api.errors import check_bool
+from fsdp_rs.runtime.comm.comms import (
     ProcessGroupAllGather,
     ProcessGroupReduceScatter,
     SymmMemAllGather,
     SymmMemReduceScatter,
     is_builtin,
 )
-from fsdp_rs.runtime.errors import check_bool
 
 if TYPE_CHECKING:
-    from fsdp_rs.runtime.param_group import FSDPParamGroup
+    from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 
 __all__ = ["CommSettings", "share_comm_ctx"]
 
@@ -147,7 +147,9 @@ def share_comm_ctx(modules: Iterable[Any]) -> None:
     """Let several roots (pipeline stages' model chunks) use one set of
     communication streams, as FSDP2's ``share_comm_ctx``; call it before their
     first forward."""
-    from fsdp_rs.runtime.api import FSDPModule  # the class this module's mixin is part of
+    from fsdp_rs.runtime.api.fully_shard import (
+        FSDPModule,  # the class this module's mixin is part of
+    )
 
     modules = list(modules)
     for module in modules:

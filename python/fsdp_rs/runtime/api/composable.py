@@ -30,7 +30,7 @@ fails there instead of on a None, and no FSDP2 method runs on fsdp-rs state.
 The pipeline stages' two reads are answered: no FSDP2 states, and a final
 callback that reduces what the stage's backwards without sync accumulated and
 ends the iteration, as ``finalize_backward`` does (``finish_pipelined_backward``
-in ``runtime/finalize.py``), so torch's schedules train fsdp-rs stages on every
+in ``runtime/step/finalize.py``), so torch's schedules train fsdp-rs stages on every
 supported torch;
 ``fsdp_rs.fully_shard.state`` is torch's, for code that calls it on the
 function the switch put in torch's place.
@@ -57,9 +57,9 @@ from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, Regi
 from torch.distributed._composable_state import _State
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
-from fsdp_rs.runtime.errors import FSDPUsageError
-from fsdp_rs.runtime.finalize import finish_pipelined_backward
-from fsdp_rs.runtime.params import REPLICATE, composable_registry, state_of
+from fsdp_rs.runtime.api.errors import FSDPUsageError
+from fsdp_rs.runtime.group.params import REPLICATE, composable_registry, state_of
+from fsdp_rs.runtime.step.finalize import finish_pipelined_backward
 
 __all__ = [
     "FsdpRsState",

@@ -18,36 +18,40 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_rs.runtime import finalize
-from fsdp_rs.runtime.bundle import GroupBundle
-from fsdp_rs.runtime.comm_api import CommSettings
-from fsdp_rs.runtime.composable import (
+from fsdp_rs.runtime.api.comm_api import CommSettings
+from fsdp_rs.runtime.api.composable import (
     check_composable,
     fsdp2_state,
     fsdp2_state_error,
     register_fully_shard,
 )
-from fsdp_rs.runtime.errors import (
+from fsdp_rs.runtime.api.errors import (
     FSDPArgumentTypeError,
     FSDPUsageError,
     check_bool,
     check_real,
 )
-from fsdp_rs.runtime.extensions import ExtensionParamGroup, has_extension, refuse_on_dtensor
-from fsdp_rs.runtime.finalize import GradientReductionHandle
-from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
-from fsdp_rs.runtime.mesh import MeshInfo, from_torch_mesh_info, mesh_info
-from fsdp_rs.runtime.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
-from fsdp_rs.runtime.param_group import FSDPParamGroup
-from fsdp_rs.runtime.params import collect_params, state_of
-from fsdp_rs.runtime.policies import (
+from fsdp_rs.runtime.api.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     check_policies,
 )
-from fsdp_rs.runtime.shard_dim import ShardDimGroup, check_shard_dim
-from fsdp_rs.runtime.state import FSDPState
+from fsdp_rs.runtime.checks.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
+from fsdp_rs.runtime.comm.mesh import MeshInfo, from_torch_mesh_info, mesh_info
+from fsdp_rs.runtime.group.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
+from fsdp_rs.runtime.group.param_group import FSDPParamGroup
+from fsdp_rs.runtime.group.params import collect_params, state_of
+from fsdp_rs.runtime.step import finalize
+from fsdp_rs.runtime.step.finalize import GradientReductionHandle
+from fsdp_rs.runtime.step.state import FSDPState
+from fsdp_rs.runtime.variants.bundle import GroupBundle
+from fsdp_rs.runtime.variants.extensions import (
+    ExtensionParamGroup,
+    has_extension,
+    refuse_on_dtensor,
+)
+from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup, check_shard_dim
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -593,7 +597,7 @@ class FSDPModule(CommSettings, TorchFSDPModule):
         reduce-scatters ([Note: Traced hooks]); ``False``: the hooks run eager under
         compile again (the default). Call it on the root module, before compiling;
         it raises ValueError naming the groups the traced hooks cannot handle."""
-        from fsdp_rs.runtime import traced
+        from fsdp_rs.runtime.compile.eager import traced
 
         check_bool("set_fullgraph_compile", "enabled", enabled)
         if enabled:

@@ -17,7 +17,7 @@ The same FSDP2 also accumulates wider: where the reduce dtype is wider than the
 compute dtype (bf16 compute, fp32 reduce, whether ``reduce_dtype`` is explicit
 or not), a backward without gradient sync sets autograd's ``grad_dtype`` on the
 unsharded parameters, so autograd sums each gradient's contributions in the
-reduce dtype ([Note: Wider gradient accumulation] in ``runtime/gradients.py``).
+reduce dtype ([Note: Wider gradient accumulation] in ``runtime/group/gradients.py``).
 
 [Note: Policy checks]
 FSDP2 reads a policy's fields where it first uses them: a
@@ -45,7 +45,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, FLOAT_NAMES
-from fsdp_rs.runtime.errors import check_bool
+from fsdp_rs.runtime.api.errors import check_bool
 
 __all__ = [
     "CPUOffloadPolicy",

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_rs.runtime.observe import rare
-from fsdp_rs.runtime.plan_check import enabled as plan_checks_enabled
-from fsdp_rs.runtime.plan_check import mesh_dims, param_fqn
-from fsdp_rs.runtime.streams import CommStreams
+from fsdp_rs.runtime.checks.plan_check import enabled as plan_checks_enabled
+from fsdp_rs.runtime.checks.plan_check import mesh_dims, param_fqn
+from fsdp_rs.runtime.comm.streams import CommStreams
+from fsdp_rs.runtime.step.observe import rare
 
 __all__ = ["GradientAgreement", "first_difference", "trained_digest"]
 

@@ -56,10 +56,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_rs.runtime.bundle import GroupBundle
-from fsdp_rs.runtime.collectives import all_gather
-from fsdp_rs.runtime.mesh import MeshInfo
-from fsdp_rs.runtime.params import state_of
+from fsdp_rs.runtime.comm.collectives import all_gather
+from fsdp_rs.runtime.comm.mesh import MeshInfo
+from fsdp_rs.runtime.group.params import state_of
+from fsdp_rs.runtime.variants.bundle import GroupBundle
 
 __all__ = [
     "ENV_VAR",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_rs.runtime.collectives import all_gather, reduce_scatter
+from fsdp_rs.runtime.comm.collectives import all_gather, reduce_scatter
 
 __all__ = [
     "ProcessGroupAllGather",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from fsdp_rs.runtime.errors import FSDPUsageError
+from fsdp_rs.runtime.api.errors import FSDPUsageError
 
 __all__ = [
     "MeshInfo",

@@ -16,7 +16,7 @@ where FSDP2's hooks break it too; what lies between the hooks (the modules'
 forwards, activation checkpointing inside them) is compiled. The break message
 carries ``_REASON``, which is also the error of ``fullgraph=True``; a model
 whose root called ``set_fullgraph_compile()`` has its hooks traced instead
-([Note: Traced hooks], ``runtime/traced.py``).
+([Note: Traced hooks], ``runtime/compile/traced.py``).
 
 The backward hooks (tensor and node hooks, the ``_PostBackward`` function and
 the end-of-backward callback) are registered by these eager hooks on eager

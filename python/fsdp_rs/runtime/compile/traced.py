@@ -84,21 +84,21 @@ from torch.utils.checkpoint import (
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import all_gather_rows, regathered, unshard_copy_out
-from fsdp_rs.runtime.agreement import first_difference
-from fsdp_rs.runtime.collectives import unreduced_post_divide
-from fsdp_rs.runtime.extensions import ExtensionParamGroup
-from fsdp_rs.runtime.plan_check import enabled as plan_check_enabled
-from fsdp_rs.runtime.plan_check import (
+from fsdp_rs.runtime.checks.agreement import first_difference
+from fsdp_rs.runtime.checks.plan_check import enabled as plan_check_enabled
+from fsdp_rs.runtime.checks.plan_check import (
     gather_objects,
     groups_of,
     mesh_dims,
     per_rank,
 )
-from fsdp_rs.runtime.shard_dim import ShardDimGroup
-from fsdp_rs.runtime.state import _cast_floats, _elsewhere
-from fsdp_rs.runtime.traced_dtensor import local_of, unsharded_as
-from fsdp_rs.runtime.traced_extension import extension_gather, untraceable
-from fsdp_rs.runtime.unshard import ShardedState
+from fsdp_rs.runtime.comm.collectives import unreduced_post_divide
+from fsdp_rs.runtime.compile.traced_dtensor import local_of, unsharded_as
+from fsdp_rs.runtime.compile.traced_extension import extension_gather, untraceable
+from fsdp_rs.runtime.group.unshard import ShardedState
+from fsdp_rs.runtime.step.state import _cast_floats, _elsewhere
+from fsdp_rs.runtime.variants.extensions import ExtensionParamGroup
+from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup
 
 __all__ = ["TracedGroup", "disable", "enable"]
 
@@ -183,7 +183,7 @@ class TracedGroup:
 
 def _static_reason(state, group) -> str | None:
     """Why ``group`` cannot take the traced hooks at all, or None."""
-    from fsdp_rs.runtime.param_group import FSDPParamGroup
+    from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 
     if len(state.modules) > 1 and state.is_root:
         # its groups are gathered in the root's forward ([Note: The root's groups

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from fsdp_rs.ops.traced import all_gather_rows, chained, reduction
-from fsdp_rs.runtime.extensions import _POST, _PRE, _plain, has_extension
+from fsdp_rs.runtime.variants.extensions import _POST, _PRE, _plain, has_extension
 
 __all__ = ["extension_gather", "untraceable"]
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.mesh import MeshInfo
-from fsdp_rs.runtime.params import is_none
+from fsdp_rs.runtime.comm.mesh import MeshInfo
+from fsdp_rs.runtime.group.params import is_none
 
 __all__ = [
     "GradBuffer",
@@ -129,7 +129,7 @@ class ShardedBuffer:
     numels: list[int]  # how many local elements it has
     # where each trainable parameter's gradient starts in the group's gradient
     # buffer of ``grad_numel`` elements, -1 for a frozen one ([Note: Gradient
-    # layout] in ``runtime/gradients.py``)
+    # layout] in ``runtime/group/gradients.py``)
     grad_offsets: list[int]
     grad_numel: int
     info: MeshInfo

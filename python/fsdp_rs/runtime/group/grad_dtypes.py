@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from fsdp_rs.runtime.policies import MixedPrecisionPolicy, fsdp2_has_grad_dtype_policy
+from fsdp_rs.runtime.api.policies import MixedPrecisionPolicy, fsdp2_has_grad_dtype_policy
 
 __all__ = [
     "UNSET",

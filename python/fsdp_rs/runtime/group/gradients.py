@@ -159,15 +159,15 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.collectives import (
+from fsdp_rs.runtime.api.policies import fsdp2_reduces_partial_first
+from fsdp_rs.runtime.comm.collectives import (
     gradient_division,
     reduce_scatter,
     unreduced_post_divide,
 )
-from fsdp_rs.runtime.nd import DTensorParam
-from fsdp_rs.runtime.observe import phase
-from fsdp_rs.runtime.params import alias_storage, clear_grads, get_grads, is_none, set_grads
-from fsdp_rs.runtime.policies import fsdp2_reduces_partial_first
+from fsdp_rs.runtime.group.params import alias_storage, clear_grads, get_grads, is_none, set_grads
+from fsdp_rs.runtime.step.observe import phase
+from fsdp_rs.runtime.variants.nd import DTensorParam
 
 __all__ = ["GradientReduction"]
 

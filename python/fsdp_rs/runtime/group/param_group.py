@@ -72,23 +72,23 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from fsdp_rs.kernels._dtypes import is_copyable
 from fsdp_rs.ops import EagerOps
-from fsdp_rs.runtime.agreement import trained_digest
-from fsdp_rs.runtime.grad_dtypes import (
+from fsdp_rs.runtime.api.policies import accumulates_wider, reduce_dtype_for
+from fsdp_rs.runtime.checks.agreement import trained_digest
+from fsdp_rs.runtime.comm.mesh import MeshInfo
+from fsdp_rs.runtime.comm.streams import NO_STREAMS
+from fsdp_rs.runtime.group.grad_dtypes import (
     UNSET,
     GradPolicy,
     grad_settings,
     overrides_grad_dtype,
     promoted,
 )
-from fsdp_rs.runtime.gradients import GradientReduction
-from fsdp_rs.runtime.layout import LayoutKey, group_layout
-from fsdp_rs.runtime.mesh import MeshInfo
-from fsdp_rs.runtime.nd import dtensor_params
-from fsdp_rs.runtime.params import ManagedParams, alias_storage
-from fsdp_rs.runtime.policies import accumulates_wider, reduce_dtype_for
-from fsdp_rs.runtime.spmd_annotations import annotated_params
-from fsdp_rs.runtime.streams import NO_STREAMS
-from fsdp_rs.runtime.unshard import ShardedState, Unsharding, post_forward_process_group
+from fsdp_rs.runtime.group.gradients import GradientReduction
+from fsdp_rs.runtime.group.layout import LayoutKey, group_layout
+from fsdp_rs.runtime.group.params import ManagedParams, alias_storage
+from fsdp_rs.runtime.group.unshard import ShardedState, Unsharding, post_forward_process_group
+from fsdp_rs.runtime.variants.nd import dtensor_params
+from fsdp_rs.runtime.variants.spmd_annotations import annotated_params
 
 __all__ = ["FSDPParamGroup", "ShardedState"]
 
@@ -623,7 +623,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             self.check_extensions()
 
     def become_extension_group(self) -> None:
-        from fsdp_rs.runtime.extensions import ExtensionParamGroup
+        from fsdp_rs.runtime.variants.extensions import ExtensionParamGroup
 
         ExtensionParamGroup.become_extension_group(self)
 

@@ -153,7 +153,7 @@ def composable_registry(module: nn.Module) -> dict | None:
 def _is_managed_elsewhere(module: nn.Module) -> bool:
     """Sharded by an earlier ``fully_shard``, or replicated by torch's
     ``replicate``, whose subtree torch's ``fully_shard`` leaves out too ([Note:
-    fsdp-rs in torch's composable registry] in ``runtime/composable.py``)."""
+    fsdp-rs in torch's composable registry] in ``runtime/api/composable.py``)."""
     if state_of(module) is not None:
         return True
     registry = composable_registry(module)

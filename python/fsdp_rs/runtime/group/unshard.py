@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
-from fsdp_rs.runtime.collectives import all_gather
-from fsdp_rs.runtime.mesh import MeshInfo, per_mesh
+from fsdp_rs.runtime.comm.collectives import all_gather
+from fsdp_rs.runtime.comm.mesh import MeshInfo, per_mesh
 
 __all__ = ["ShardedState", "Unsharding", "post_forward_process_group"]
 

@@ -19,9 +19,9 @@ import numpy as np
 from torch import nn
 
 from fsdp_rs.planning import peak_memory
-from fsdp_rs.runtime import streams
-from fsdp_rs.runtime.activation_profile import ActivationProfile, Activations
-from fsdp_rs.runtime.params import state_of
+from fsdp_rs.runtime.comm import streams
+from fsdp_rs.runtime.group.params import state_of
+from fsdp_rs.runtime.memory.activation_profile import ActivationProfile, Activations
 
 __all__ = ["group_memory", "predict_memory"]
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_rs.runtime.errors import check_bool
-from fsdp_rs.runtime.streams import NO_STREAMS
+from fsdp_rs.runtime.api.errors import check_bool
+from fsdp_rs.runtime.comm.streams import NO_STREAMS
 
 __all__ = [
     "GradientReductionHandle",

@@ -68,19 +68,19 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
-from fsdp_rs.runtime import finalize
-from fsdp_rs.runtime.agreement import GradientAgreement
-from fsdp_rs.runtime.backward_order import BackwardOrder
-from fsdp_rs.runtime.compile import eager_hook
-from fsdp_rs.runtime.containers import map_tensors, tensors_in
-from fsdp_rs.runtime.grad_buffers import local_tensor
-from fsdp_rs.runtime.grad_dtypes import adopt_grad_dtypes
-from fsdp_rs.runtime.observe import PROFILING, logs_enabled, phase, rare
-from fsdp_rs.runtime.param_group import FSDPParamGroup, ShardedState
-from fsdp_rs.runtime.params import state_of
-from fsdp_rs.runtime.plan_check import check_plans, groups_of, param_fqn
-from fsdp_rs.runtime.spmd_annotations import spmd_types_module, untyped
-from fsdp_rs.runtime.streams import NO_STREAMS, CommStreams
+from fsdp_rs.runtime.checks.agreement import GradientAgreement
+from fsdp_rs.runtime.checks.plan_check import check_plans, groups_of, param_fqn
+from fsdp_rs.runtime.comm.streams import NO_STREAMS, CommStreams
+from fsdp_rs.runtime.compile.eager import eager_hook
+from fsdp_rs.runtime.group.grad_buffers import local_tensor
+from fsdp_rs.runtime.group.grad_dtypes import adopt_grad_dtypes
+from fsdp_rs.runtime.group.param_group import FSDPParamGroup, ShardedState
+from fsdp_rs.runtime.group.params import state_of
+from fsdp_rs.runtime.step import finalize
+from fsdp_rs.runtime.step.backward_order import BackwardOrder
+from fsdp_rs.runtime.step.containers import map_tensors, tensors_in
+from fsdp_rs.runtime.step.observe import PROFILING, logs_enabled, phase, rare
+from fsdp_rs.runtime.variants.spmd_annotations import spmd_types_module, untyped
 
 __all__ = ["Context", "FSDPState"]
 

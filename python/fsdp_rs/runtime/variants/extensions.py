@@ -37,7 +37,7 @@ same object: the state, the bundle and the flags set on it stay valid).
 ``reshard_after_forward=int`` reshards such a group fully after forward: FSDP2
 has no post-forward shard of an extension's outputs either. Under
 ``set_fullgraph_compile`` the same steps are traced ([Note: Extensions under
-trace], ``runtime/traced_extension.py``).
+trace], ``runtime/compile/traced_extension.py``).
 
 [Note: Sharded and gathered as FSDP2]
 A subclass may implement only the operations FSDP2 runs on it: torchao's
@@ -66,10 +66,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.collectives import all_gather
-from fsdp_rs.runtime.param_group import FSDPParamGroup
-from fsdp_rs.runtime.params import alias_storage
-from fsdp_rs.runtime.unshard import ShardedState, outside_functorch
+from fsdp_rs.runtime.comm.collectives import all_gather
+from fsdp_rs.runtime.group.param_group import FSDPParamGroup
+from fsdp_rs.runtime.group.params import alias_storage
+from fsdp_rs.runtime.group.unshard import ShardedState, outside_functorch
 
 __all__ = ["ExtensionParamGroup", "has_extension"]
 
@@ -333,7 +333,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         world = self.info.shard_size
         gathered = out.view(world, -1)
         first = self.unsharded_params is None
-        # [Note: Made outside inference mode] (runtime/unshard.py): the buffers and
+        # [Note: Made outside inference mode] (runtime/group/unshard.py): the buffers and
         # parameters made at the first unshard
         made_here = torch.inference_mode(False) if first else contextlib.nullcontext()
         with made_here:

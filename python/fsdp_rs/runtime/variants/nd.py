@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_rs.runtime.errors import FSDPMeshError
-from fsdp_rs.runtime.mesh import MeshInfo
+from fsdp_rs.runtime.api.errors import FSDPMeshError
+from fsdp_rs.runtime.comm.mesh import MeshInfo
 
 __all__ = ["DTensorParam", "dtensor_params"]
 

@@ -31,8 +31,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdp_rs.runtime.errors import FSDPUsageError
-from fsdp_rs.runtime.param_group import FSDPParamGroup
+from fsdp_rs.runtime.api.errors import FSDPUsageError
+from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 
 __all__ = ["ShardDimGroup", "check_shard_dim"]
 

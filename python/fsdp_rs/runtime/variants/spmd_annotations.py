@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdp_rs.runtime.mesh import MeshInfo
+from fsdp_rs.runtime.comm.mesh import MeshInfo
 
 __all__ = ["Annotation", "annotated_params", "spmd_types_module", "untyped"]
 

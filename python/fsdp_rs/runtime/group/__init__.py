@@ -1,0 +1,6 @@
+"""One param group, the unit that is gathered and reduced together: built or adopted
+from a module's parameters (``param_group``), its parameters as views of the group
+buffers (``params``), its layout key (``layout``), the unshard / reshard transitions
+(``unshard``), gradient buffers and the post-backward reduction (``gradients``,
+``grad_buffers``, ``grad_dtypes``).
+"""
