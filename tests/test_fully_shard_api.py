@@ -456,7 +456,7 @@ class _Recorder(nn.Module):
 def test_root_inputs_on_the_device_pass_as_they_are(gloo1):
     """The root moves forward inputs to its device (as FSDP2); inputs already
     there keep their identity, containers included."""
-    from fsdp_rs.runtime.step.state import _elsewhere
+    from fsdp_rs.runtime.step.containers import elsewhere as _elsewhere
 
     model = fully_shard(_Recorder())
     batch = {"x": [torch.randn(2, 4)]}

@@ -15,12 +15,12 @@ step through them.
 """
 
 from fsdp_rs.runtime.api.auto_shard import auto_shard, auto_shard_groups
-from fsdp_rs.runtime.api.comm_api import share_comm_ctx
 from fsdp_rs.runtime.api.fully_shard import (
     FSDPModule,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from fsdp_rs.runtime.api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_rs.runtime.memory.activation_profile import (

@@ -1,11 +1,10 @@
 """``FSDPModule`` methods that choose how a group communicates: custom comm
 objects, where collective buffers live, reduce-scatter groups and buffering,
-unused parameters; and ``share_comm_ctx``. Semantics as torch FSDP2's
+unused parameters (``share_comm_ctx``: in ``fully_shard``). Semantics as torch FSDP2's
 (torch 2.13), whatever torch is installed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from fsdp_rs.runtime.comm.comms import (
 if TYPE_CHECKING:
     from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 
-__all__ = ["CommSettings", "share_comm_ctx"]
+__all__ = ["CommSettings"]
 
 
 def _check_comm(comm: Any, kind: str, method: str) -> None:
@@ -141,30 +140,3 @@ def _check_not_custom(group: FSDPParamGroup, method: str) -> None:
                 "set_custom_all_gather / set_custom_reduce_scatter, which decides its own "
                 "buffers; use one or the other"
             )
-
-
-def share_comm_ctx(modules: Iterable[Any]) -> None:
-    """Let several roots (pipeline stages' model chunks) use one set of
-    communication streams, as FSDP2's ``share_comm_ctx``; call it before their
-    first forward."""
-    from fsdp_rs.runtime.api.fully_shard import (
-        FSDPModule,  # the class this module's mixin is part of
-    )
-
-    modules = list(modules)
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(
-                f"share_comm_ctx: expects modules fully_shard returned, got {type(module).__name__}"
-            )
-    if len(modules) < 2:
-        return
-    shared: dict = {}  # device -> the streams of the first root initialized
-    for module in modules:
-        state = module._state
-        if state.context is not None:
-            raise RuntimeError(
-                "share_comm_ctx: call it before the modules' first forward (their "
-                f"{type(module).__name__} already ran one and holds its streams)"
-            )
-        state.shared_streams = shared

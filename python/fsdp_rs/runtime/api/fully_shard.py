@@ -53,7 +53,13 @@ from fsdp_rs.runtime.variants.extensions import (
 )
 from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup, check_shard_dim
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 _CLASS_CACHE: dict[type, type] = {}
 # The group that owns a parameter, as an attribute of the parameter: a weakref
@@ -662,3 +668,26 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(module, args, out)
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: Iterable[Any]) -> None:
+    """Let several roots (pipeline stages' model chunks) use one set of
+    communication streams, as FSDP2's ``share_comm_ctx``; call it before their
+    first forward."""
+    modules = list(modules)
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx: expects modules fully_shard returned, got {type(module).__name__}"
+            )
+    if len(modules) < 2:
+        return
+    shared: dict = {}  # device -> the streams of the first root initialized
+    for module in modules:
+        state = module._state
+        if state.context is not None:
+            raise RuntimeError(
+                "share_comm_ctx: call it before the modules' first forward (their "
+                f"{type(module).__name__} already ran one and holds its streams)"
+            )
+        state.shared_streams = shared

@@ -96,7 +96,7 @@ from fsdp_rs.runtime.comm.collectives import unreduced_post_divide
 from fsdp_rs.runtime.compile.traced_dtensor import local_of, unsharded_as
 from fsdp_rs.runtime.compile.traced_extension import extension_gather, untraceable
 from fsdp_rs.runtime.group.unshard import ShardedState
-from fsdp_rs.runtime.step.state import _cast_floats, _elsewhere
+from fsdp_rs.runtime.step.containers import cast_floats, to_device
 from fsdp_rs.runtime.variants.extensions import ExtensionParamGroup
 from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup
 
@@ -440,16 +440,12 @@ def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
         context.root_traced = why is None
         if why is not None:
             return _FALLBACK_PRE[why](state, module, args, kwargs)
-        device = context.device
-        if device is not None and _elsewhere((args, kwargs), device):
-            args, kwargs = torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(device), (args, kwargs)
-            )
+        args, kwargs = to_device(args, kwargs, context.device)
     elif not context.tracing:
         return _FALLBACK_PRE["root"](state, module, args, kwargs)
     mp = state.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
-        args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
     if not state.is_root:  # the root's groups: in its forward (``_root_forward``)
         _unshard_all(state, context)
     return args, kwargs
@@ -462,7 +458,7 @@ def post_forward(state, module, args: tuple, output: Any) -> Any:
     if not state.is_root:  # the root's: in its forward (``_root_forward``)
         _regather(state, context)
     if state.mp_policy.output_dtype is not None:
-        output = _cast_floats(output, state.mp_policy.output_dtype)
+        output = cast_floats(output, state.mp_policy.output_dtype)
     return output
 
 

@@ -29,7 +29,12 @@ from collections.abc import Callable
 import torch
 
 from fsdp_rs.ops.traced import all_gather_rows, chained, reduction
-from fsdp_rs.runtime.variants.extensions import _POST, _PRE, _plain, has_extension
+from fsdp_rs.runtime.variants.extensions import (
+    POST_ALL_GATHER,
+    PRE_ALL_GATHER,
+    has_extension,
+    plain_grad,
+)
 
 __all__ = ["extension_gather", "untraceable"]
 
@@ -42,7 +47,7 @@ def untraceable(group) -> str | None:
         if not has_extension(local):
             continue
         cls = type(local)
-        if _PRE in vars(local) or _POST in vars(local):
+        if PRE_ALL_GATHER in vars(local) or POST_ALL_GATHER in vars(local):
             return (
                 f"the all-gather extension of parameter {fqn} is set on its local tensor, "
                 "which torch.compile cannot see: define it on a tensor subclass"
@@ -91,7 +96,7 @@ class _Bridge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        sharded = ctx.reduce([_plain(g) for g in grads[:-1]], grads[-1])
+        sharded = ctx.reduce([plain_grad(g) for g in grads[:-1]], grads[-1])
         return (None, None, chained(grads[-1], ctx.device), *([None] * ctx.count), *sharded)
 
 
@@ -124,7 +129,7 @@ def extension_gather(traced) -> Callable:
                     data = gathered[:, offset : offset + nbytes].contiguous().view(t.dtype)
                     outputs.append(data.view(-1, *t.shape[1:]))
                     offset += nbytes
-                extension = getattr(local[i], _POST, None)
+                extension = getattr(local[i], POST_ALL_GATHER, None)
                 if extension is None:  # the all-gather output is the parameter's data
                     tensor = outputs[0]
                 else:

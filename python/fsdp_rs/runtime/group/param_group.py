@@ -613,19 +613,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     "torch.distributed.checkpoint) or use load_state_dict without assign=True"
                 )
 
-    def check_extensions(self) -> None:
-        """At lazy init: a local shard given an all-gather extension since
-        ``fully_shard`` makes this an ``ExtensionParamGroup`` ([Note: All-gather
-        extensions])."""
+    def gained_extension(self) -> bool:
+        """Whether a local shard was given an all-gather extension since
+        ``fully_shard`` (``variants.extensions.check_extensions`` acts on it)."""
         registered = self.managed.registered()
-        if any(isinstance(p, DTensor) and hasattr(p._local_tensor, _EXTENSION) for p in registered):
-            self.become_extension_group()
-            self.check_extensions()
-
-    def become_extension_group(self) -> None:
-        from fsdp_rs.runtime.variants.extensions import ExtensionParamGroup
-
-        ExtensionParamGroup.become_extension_group(self)
+        return any(
+            isinstance(p, DTensor) and hasattr(p._local_tensor, _EXTENSION) for p in registered
+        )
 
     @property
     def on_meta(self) -> bool:

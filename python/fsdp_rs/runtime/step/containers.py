@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.utils import _to_kwargs
 
-__all__ = ["map_tensors", "tensors_in"]
+__all__ = ["cast_floats", "elsewhere", "map_tensors", "tensors_in", "to_device"]
 
 _MAX_DEPTH = 64
 
@@ -109,3 +110,36 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
         return _rebuild(x, [value for value, _ in visited]), True
 
     return visit(tree, 0)[0]
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``
+    (``MixedPrecisionPolicy.cast_forward_inputs`` and ``output_dtype``)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return map_tensors(cast, tree)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
+    """Whether a tensor in the forward inputs is on another device than ``device``."""
+    args, kwargs = inputs
+    tensors = args if not kwargs and all(map(_is_tensor, args)) else tensors_in(inputs)
+    return any(t.device != device for t in tensors)
+
+
+def to_device(args: tuple, kwargs: dict, device: torch.device | None) -> tuple[tuple, dict]:
+    """The root's forward inputs moved to the parameters' ``device``, as FSDP2
+    (and DDP) move them: by torch's ``_to_kwargs``, so in the containers it
+    enters (lists, tuples, dicts, NamedTuples, ``PackedSequence``; not
+    dataclasses). Inputs already there are returned as they are. The eager and
+    the traced root hooks both call this."""
+    if device is None or not elsewhere((args, kwargs), device):
+        return args, kwargs
+    args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, device, False)
+    return args_tuple[0], kwargs_tuple[0]

@@ -66,7 +66,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.utils import _to_kwargs
 
 from fsdp_rs.runtime.checks.agreement import GradientAgreement
 from fsdp_rs.runtime.checks.plan_check import check_plans, groups_of, param_fqn
@@ -78,8 +77,9 @@ from fsdp_rs.runtime.group.param_group import FSDPParamGroup, ShardedState
 from fsdp_rs.runtime.group.params import state_of
 from fsdp_rs.runtime.step import finalize
 from fsdp_rs.runtime.step.backward_order import BackwardOrder
-from fsdp_rs.runtime.step.containers import map_tensors, tensors_in
+from fsdp_rs.runtime.step.containers import cast_floats, map_tensors, tensors_in, to_device
 from fsdp_rs.runtime.step.observe import PROFILING, logs_enabled, phase, rare
+from fsdp_rs.runtime.variants.extensions import check_extensions
 from fsdp_rs.runtime.variants.spmd_annotations import spmd_types_module, untyped
 
 __all__ = ["Context", "FSDPState"]
@@ -124,13 +124,6 @@ class Context:
         # labelled hook is running
         self.logs = logs_enabled()
         self.labelling = False
-
-
-def _elsewhere(inputs: tuple[tuple, dict], device: torch.device) -> bool:
-    """Whether a tensor in the forward inputs is on another device than ``device``."""
-    args, kwargs = inputs
-    tensors = args if not kwargs and all(map(_is_tensor, args)) else tensors_in(inputs)
-    return any(t.device != device for t in tensors)
 
 
 _NOTHING = contextlib.nullcontext()
@@ -264,7 +257,7 @@ class FSDPState:
             if state.conflicts:
                 raise ValueError(state.conflicts[0])
             if state.group is not None:
-                state.group.check_extensions()
+                check_extensions(state.group)  # [Note: All-gather extensions]
         for state in states:
             if state.group is not None:
                 state.group.adopt_registered()
@@ -335,7 +328,7 @@ class FSDPState:
                     args, kwargs = self._root_pre_forward(args, kwargs)
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
         starts = group is not None and not self._modules_ran  # the group's forward begins
         if starts:
@@ -359,13 +352,7 @@ class FSDPState:
         # The all-gathers read the sharded buffers the optimizer wrote.
         context.streams.all_gather_streams_wait_current(context.post_optim_event)
         context.post_optim_event = None
-        device = context.device
-        if device is not None and _elsewhere((args, kwargs), device):
-            # As FSDP2 (and DDP): tensors anywhere in the inputs go to the
-            # parameters' device; inputs already there are passed as they are.
-            args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, device, False)
-            args, kwargs = args_tuple[0], kwargs_tuple[0]
-        return args, kwargs
+        return to_device(args, kwargs, context.device)
 
     def _unshard_for_forward(self) -> None:
         group = self.group
@@ -406,7 +393,7 @@ class FSDPState:
             else:
                 output = self._post_forward(module, output)
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            output = cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     # [Note: Eager hooks under torch.compile] the hooks registered on the modules,
@@ -655,10 +642,3 @@ def _still_on_meta(state: FSDPState, name_of: dict[int, str]) -> RuntimeError:
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-    return map_tensors(cast, tree)

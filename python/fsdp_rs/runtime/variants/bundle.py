@@ -74,7 +74,6 @@ class GroupBundle:
     adopt_registered = _on_each("adopt_registered")
     discard_unshard_state = _on_each("discard_unshard_state")
     discard_gradient_state = _on_each("discard_gradient_state")
-    check_extensions = _on_each("check_extensions")
     restore_types = _on_each("restore_types")
 
     @property

@@ -70,15 +70,23 @@ from fsdp_rs.runtime.comm.collectives import all_gather
 from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 from fsdp_rs.runtime.group.params import alias_storage
 from fsdp_rs.runtime.group.unshard import ShardedState, outside_functorch
+from fsdp_rs.runtime.variants.bundle import GroupBundle
 
-__all__ = ["ExtensionParamGroup", "has_extension"]
+__all__ = [
+    "POST_ALL_GATHER",
+    "PRE_ALL_GATHER",
+    "ExtensionParamGroup",
+    "check_extensions",
+    "has_extension",
+    "plain_grad",
+]
 
-_PRE = "fsdp_pre_all_gather"
-_POST = "fsdp_post_all_gather"
+PRE_ALL_GATHER = "fsdp_pre_all_gather"
+POST_ALL_GATHER = "fsdp_post_all_gather"
 
 
 def has_extension(t: torch.Tensor) -> bool:
-    return hasattr(t, _PRE)
+    return hasattr(t, PRE_ALL_GATHER)
 
 
 def refuse_on_dtensor(fqn: str) -> None:
@@ -86,7 +94,7 @@ def refuse_on_dtensor(fqn: str) -> None:
     with tensor parallelism): not run by fsdp-rs yet, and never all-gathered as
     plain data in its place."""
     raise NotImplementedError(
-        f"fully_shard: the local tensor of parameter {fqn} defines {_PRE} (an all-gather "
+        f"fully_shard: the local tensor of parameter {fqn} defines {PRE_ALL_GATHER} (an all-gather "
         "extension) in a group of DTensor parameters (tensor or expert parallelism); "
         "fsdp-rs does not run extensions there yet: shard this module with torch's "
         "fully_shard"
@@ -94,10 +102,11 @@ def refuse_on_dtensor(fqn: str) -> None:
 
 
 def _check_pair(fqn: str, t: torch.Tensor) -> None:
-    if hasattr(t, _PRE) != hasattr(t, _POST):
+    if hasattr(t, PRE_ALL_GATHER) != hasattr(t, POST_ALL_GATHER):
         raise ValueError(
             f"fully_shard: the local shard of parameter {fqn} ({type(t).__name__}) defines "
-            f"only one of {_PRE} and {_POST}; an all-gather extension needs both"
+            f"only one of {PRE_ALL_GATHER} and {POST_ALL_GATHER}; an all-gather extension "
+            "needs both"
         )
 
 
@@ -118,7 +127,7 @@ def _rows_of(t: torch.Tensor, local: torch.Tensor) -> bool:
     return t.dim() == local.dim() and t.size(0) == local.size(0)
 
 
-def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
+def plain_grad(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A subclass gradient read into a plain tensor (by its own dispatch)."""
     if grad is None or type(grad) is torch.Tensor:
         return grad
@@ -194,7 +203,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         self.sharded = self._dtype_carrier([p._local_tensor for p in self.sharded_params])
         self._reset_unsharded()
 
-    def check_extensions(self) -> None:
+    def check_pairs(self) -> None:
         for fqn, p in zip(self.managed.fqns, self.managed.registered(), strict=True):
             if isinstance(p, DTensor):
                 _check_pair(fqn, p._local_tensor)
@@ -251,7 +260,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         metadata."""
         if local.device != self.device:  # CPU offload
             local = local.to(self.device, non_blocking=True)
-        pre = getattr(local, _PRE, None)
+        pre = getattr(local, PRE_ALL_GATHER, None)
         if pre is None:  # FSDP2's default: the padded shard in the parameter dtype
             return [self._padded(local.to(self.param_dtype), chunk)], None
         arity = len(inspect.signature(pre).parameters)
@@ -264,7 +273,7 @@ class ExtensionParamGroup(FSDPParamGroup):
             )
         else:
             raise TypeError(
-                f"fsdp_rs: {_PRE} of parameter {self.managed.fqns[i]} takes {arity} "
+                f"fsdp_rs: {PRE_ALL_GATHER} of parameter {self.managed.fqns[i]} takes {arity} "
                 "arguments; it must be fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, "
                 "outer_size, outer_stride, module, mp_policy)"
             )
@@ -361,7 +370,7 @@ class ExtensionParamGroup(FSDPParamGroup):
                         o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
                     )
                     local = self.sharded_params[i]._local_tensor
-                    post = getattr(local, _POST, None)
+                    post = getattr(local, POST_ALL_GATHER, None)
                     if first:
                         params.append(self._new_unsharded(i, post, unflat, metadata))
                     elif post is not None:
@@ -385,7 +394,7 @@ class ExtensionParamGroup(FSDPParamGroup):
         result = post(unflat, metadata, self.param_dtype)
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(
-                f"fsdp_rs: {_POST} of parameter {self.managed.fqns[i]} returned "
+                f"fsdp_rs: {POST_ALL_GATHER} of parameter {self.managed.fqns[i]} returned "
                 f"{type(result).__name__}; called without out=, it must return "
                 "(unsharded_tensor, tensors_to_free)"
             )
@@ -411,7 +420,20 @@ class ExtensionParamGroup(FSDPParamGroup):
     # ------------------------------------------------------------- gradients
 
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
-        grads[:] = map(_plain, grads)
+        grads[:] = map(plain_grad, grads)
         if self._accumulated is not None:
-            self._accumulated = list(map(_plain, self._accumulated))
+            self._accumulated = list(map(plain_grad, self._accumulated))
         super()._reduce_list(grads)
+
+
+def check_extensions(group: FSDPParamGroup | GroupBundle) -> None:
+    """At lazy init: a plain group whose local shards gained all-gather
+    extensions since ``fully_shard`` becomes an ``ExtensionParamGroup``; an
+    extension group's shards must define both hooks ([Note: All-gather
+    extensions])."""
+    for member in group.groups if isinstance(group, GroupBundle) else (group,):
+        if not isinstance(member, ExtensionParamGroup):
+            if not member.gained_extension():
+                continue
+            ExtensionParamGroup.become_extension_group(member)
+        member.check_pairs()
