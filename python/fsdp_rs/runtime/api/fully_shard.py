@@ -603,7 +603,7 @@ class FSDPModule(CommSettings, TorchFSDPModule):
         reduce-scatters ([Note: Traced hooks]); ``False``: the hooks run eager under
         compile again (the default). Call it on the root module, before compiling;
         it raises ValueError naming the groups the traced hooks cannot handle."""
-        from fsdp_rs.runtime.compile.eager import traced
+        from fsdp_rs.runtime.compile import traced
 
         check_bool("set_fullgraph_compile", "enabled", enabled)
         if enabled:
