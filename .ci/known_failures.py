@@ -69,6 +69,12 @@ XFAIL["tests/test_step_host_cost.py::test_step_python_calls_do_not_grow_with_par
     "torch 2.9's DTensor.__new__ is Python: one call per parameter's .grad view per step",
     True,
 )
+# Likewise ``fully_shard`` makes each sharded parameter with ``DTensor.__new__``.
+XFAIL["tests/test_step_host_cost.py::test_fully_shard_python_calls_do_not_grow_with_parameters"] = (
+    ("2.9",),
+    "torch 2.9's DTensor.__new__ is Python: one call per sharded parameter",
+    True,
+)
 
 # test file -> (torch version prefixes, reason): not collected there
 IGNORE: dict[str, tuple[tuple[str, ...], str]] = {

@@ -90,6 +90,42 @@ def test_step_python_calls_do_not_grow_with_parameters(fake_pg_8) -> None:
     assert sum(few.values()) > 0
 
 
+def _calls_in_fully_shard(blocks: int, per_block: int) -> collections.Counter:
+    """Python-level calls (functions, and builtins called from Python code) of
+    ``fully_shard`` over ``blocks`` blocks of ``per_block`` parameters and the
+    root, by function, in fsdp-rs and torch's module and distributed code."""
+    torch.manual_seed(0)
+    model = BenchModel(blocks * per_block, per_block)
+    counted = (*COUNTED, os.path.join(TORCH, "nn") + os.sep)
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg) -> None:
+        name = frame.f_code.co_filename
+        if not name.startswith(counted):
+            return
+        if event == "call":
+            calls[(name, frame.f_code.co_name)] += 1
+        elif event == "c_call":  # a builtin called from that code, e.g. in a loop
+            calls[(name, getattr(arg, "__qualname__", repr(arg)))] += 1
+
+    sys.setprofile(profile)
+    try:
+        shard_model(model, "fsdp_rs")
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_fully_shard_python_calls_do_not_grow_with_parameters(fake_pg_8) -> None:
+    """[Note: fully_shard's cost per parameter]: the same calls for blocks of 10
+    and of 200 parameters."""
+    _calls_in_fully_shard(2, 10)  # first: the mesh, and a spec per shape, made once
+    few, many = _calls_in_fully_shard(4, 10), _calls_in_fully_shard(4, 200)
+    grown = {k: (few[k], many[k]) for k in few.keys() | many.keys() if few[k] != many[k]}
+    assert not grown, f"fully_shard's Python calls grew with parameters per block: {grown}"
+    assert sum(few.values()) > 0
+
+
 def test_step_runs_no_table_checks(fake_pg_8, monkeypatch) -> None:
     """The copy ops the runtime calls trust the tables ``GroupTables``
     checked when planned: a step checks no table (it checked about 17 per

@@ -47,6 +47,7 @@ from fsdp_rs.runtime.step.finalize import GradientReductionHandle
 from fsdp_rs.runtime.step.state import FSDPState
 from fsdp_rs.runtime.variants.bundle import GroupBundle
 from fsdp_rs.runtime.variants.extensions import (
+    PRE_ALL_GATHER,
     ExtensionParamGroup,
     has_extension,
     refuse_on_dtensor,
@@ -80,7 +81,18 @@ def _gc_paused(fn: Callable) -> Callable:
     surviving collections grow by a quarter, CPython runs a full collection that
     traverses every object in the process, the model's included: at 1e6
     parameters that was 6 full passes, 7 s of 21 s. With the GC paused, the
-    objects are traversed once, at the next collection after sharding."""
+    objects are traversed once, at the next collection after sharding.
+
+    [Note: fully_shard's cost per parameter]
+    A Python-level call per parameter (a function, a generator step, a builtin
+    called from a loop) costs 0.1-0.5 us; at 1e6 parameters each one is
+    another 0.1-0.5 s of ``fully_shard``. So its work per parameter is done in
+    C-level passes: ``map`` over builtins, ``operator.attrgetter``s and
+    ``functools.partial``s of C constructors (``DTensor.__new__``),
+    ``itertools.compress``, ``dict.fromkeys``; a Python function runs once per
+    distinct value (a dtype, a mesh, a group key), and a loop over the
+    parameters only to name the offender once a C-level pass found one.
+    ``tests/test_step_host_cost.py`` counts the calls."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -159,12 +171,15 @@ def fully_shard(
         # One group per dtype ([Note: One group per dtype]), apart from the
         # parameters with all-gather extensions ([Note: All-gather extensions]) and
         # those sharded on another dim ([Note: Sharding on another dim])
-        extension = list(map(has_extension, managed.params))
-        for fqn, p in zip(managed.fqns, managed.params, strict=True):
-            if isinstance(p, DTensor) and has_extension(p._local_tensor):
+        # C-level passes over the parameters ([Note: fully_shard's cost per parameter])
+        params = managed.params
+        extension = list(map(hasattr, params, repeat(PRE_ALL_GATHER)))
+        dtensors = list(map(isinstance, params, repeat(DTensor)))
+        for fqn, p in compress(zip(managed.fqns, params, strict=True), dtensors):
+            if has_extension(p._local_tensor):
                 refuse_on_dtensor(fqn)
-        other_dim = [d != 0 for d in dims]
-        meshes = list(map(_mesh_key, infos))  # [Note: Per-parameter meshes]
+        other_dim = list(map(bool, dims))  # a shard dim other than 0
+        meshes = _mesh_keys(infos)  # [Note: Per-parameter meshes]
         dtype_keys = _group_keys(managed, mp_policy)
         keys = list(zip(dtype_keys, extension, other_dim, grad_keys, meshes, strict=True))
         parts = managed.split(keys) if len(set(keys)) > 1 else [managed]
@@ -319,6 +334,13 @@ def _mesh_key(info: MeshInfo) -> tuple[int, int]:
     """[Note: Per-parameter meshes] parameters over the same process groups
     share a group."""
     return id(info.shard_group), id(info.replicate_group)
+
+
+def _mesh_keys(infos: list[MeshInfo]) -> list[tuple[int, int]]:
+    """``_mesh_key`` of each of ``infos``, computed once per distinct object."""
+    ids = list(map(id, infos))
+    keys = {k: _mesh_key(info) for k, info in dict(zip(ids, infos, strict=True)).items()}
+    return list(map(keys.__getitem__, ids))
 
 
 def _group_keys(managed, mp_policy: MixedPrecisionPolicy) -> list:

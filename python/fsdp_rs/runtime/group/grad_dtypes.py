@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import functools
 import operator
-from itertools import repeat
+from itertools import compress, repeat
 from typing import NamedTuple
 
 import torch
 
 from fsdp_rs.runtime.api.policies import MixedPrecisionPolicy, fsdp2_has_grad_dtype_policy
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 __all__ = [
     "UNSET",
     "GradPolicy",
@@ -148,9 +149,10 @@ def grad_policies(managed, keys: list[tuple], mp_policy) -> dict[tuple, GradPoli
     """Per group key (``(dtype key, extension, other dim, grad_dtype_keys' item,
     mesh)``), its ``GradPolicy``; None for a group whose parameters set no
     ``grad_dtype`` in a call where no trainable parameter sets one."""
-    trains: dict[tuple, bool] = {}  # per key, whether a parameter of it trains
-    for key, p in zip(keys, managed.params, strict=True):
-        trains[key] = trains.get(key, False) or p.requires_grad
+    # per key, whether a parameter of it trains (C-level passes: the keys in
+    # order, then those of the trainable parameters)
+    trains: dict[tuple, bool] = dict.fromkeys(keys, False)
+    trains.update(dict.fromkeys(compress(keys, map(_REQUIRES_GRAD, managed.params)), True))
     groups = [(key[3], _dtype_of(key), key[-1], t) for key, t in trains.items()]
     return dict(zip(trains, _policies(groups, mp_policy), strict=True))
 

@@ -60,6 +60,7 @@ import functools
 import itertools
 import operator
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -126,6 +127,7 @@ _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_META = operator.attrgetter("is_meta")
 _new_dtensor = DTensor.__new__
 
 
@@ -141,6 +143,24 @@ def _parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> D
     param = _dtensor(local, spec, requires_grad)
     param._is_param = True  # isinstance(param, nn.Parameter), as nn.Parameter marks subclasses
     return param
+
+
+_NEW_PARAM = {
+    flag: functools.partial(_new_dtensor, DTensor, requires_grad=flag) for flag in (False, True)
+}
+
+
+def _parameters(
+    locals_: list[torch.Tensor], specs: list[DTensorSpec], requires_grad: list[bool]
+) -> list[DTensor]:
+    """``_parameter`` of each, in C-level passes where all parameters share one
+    ``requires_grad`` (the usual case: [Note: fully_shard's cost per parameter])."""
+    if len(set(requires_grad)) > 1:
+        return list(map(_parameter, locals_, specs, requires_grad))
+    make = _NEW_PARAM[bool(requires_grad and requires_grad[0])]
+    params = list(map(make, locals_, specs))
+    deque(map(setattr, params, itertools.repeat("_is_param"), itertools.repeat(True)), maxlen=0)
+    return params
 
 
 def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
@@ -318,7 +338,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         # C-level passes first; the loop below names the first offender.
         if (
             all(map(torch.Tensor.dim, params))
-            and all(map(is_copyable, map(_DTYPE, params)))
+            and all(map(is_copyable, set(map(_DTYPE, params))))
             and all(map(torch.Tensor.is_contiguous, params))
         ):
             return
@@ -356,7 +376,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         """Sharded buffer filled from the full parameters (one reduce-scatter
         copy-in of them gives every rank's row; this rank keeps its own), and
         the sharded DTensor parameters as views into it."""
-        meta = any(p.is_meta for p in params)
+        meta = any(map(_IS_META, params))
         device = torch.device("meta") if meta else self.shard_device
         self.sharded = self._alloc_sharded(device)
         views = self._local_views(self.sharded)
@@ -452,7 +472,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
         specs = self._sharded_specs(self.sharded.dtype)
-        self.sharded_params: list[DTensor] = list(map(_parameter, views, specs, requires_grad))
+        self.sharded_params: list[DTensor] = _parameters(views, specs, requires_grad)
         self._keep_grad_dtype()
         self._read_requires_grad()
         self.unsharded_params: list[nn.Parameter] | None = None

@@ -36,6 +36,7 @@ gradients]): autograd hands over DTensors, which a plain alias cannot stand for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -233,7 +234,7 @@ def dtensor_params(
 ) -> list[DTensorParam | None] | None:
     """Per parameter its ``DTensorParam`` (None for a plain one); None when
     all are plain (the usual case) and no ``dp_mesh_dims`` was given."""
-    if info.spmd_mesh is None and not any(isinstance(p, DTensor) for p in params):
+    if info.spmd_mesh is None and not any(map(isinstance, params, repeat(DTensor))):
         return None
     out: list[DTensorParam | None] = []
     dims = dims or [0] * len(params)
