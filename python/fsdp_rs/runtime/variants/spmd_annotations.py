@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -175,7 +176,10 @@ def annotated_params(
     spmd = spmd_types_module()
     if spmd is None:
         return None
-    locals_ = [None if isinstance(p, DTensor) else spmd.get_local_type(p) for p in params]
+    if any(map(isinstance, params, repeat(DTensor))):
+        locals_ = [None if isinstance(p, DTensor) else spmd.get_local_type(p) for p in params]
+    else:  # the usual case: no loop of fsdp-rs's per parameter (spmd_types' call remains)
+        locals_ = list(map(spmd.get_local_type, params))
     if not any(locals_):
         return None
     out, annotations = list(params), [None] * len(params)
