@@ -6,6 +6,7 @@ noisy machine. ``python -m fsdp_rs.bench step`` measures the time."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import sys
 
@@ -108,6 +109,7 @@ def _calls_in_fully_shard(blocks: int, per_block: int) -> collections.Counter:
         elif event == "c_call":  # a builtin called from that code, e.g. in a loop
             calls[(name, getattr(arg, "__qualname__", repr(arg)))] += 1
 
+    gc.collect()  # earlier objects' weak-reference callbacks run now, not counted
     sys.setprofile(profile)
     try:
         shard_model(model, "fsdp_rs")

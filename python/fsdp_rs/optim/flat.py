@@ -61,7 +61,13 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_rs.runtime.group.grad_buffers import ShardedBuffer, local_tensor, sharded_buffers
+from fsdp_rs.runtime.group.grad_buffers import (
+    ShardedBuffer,
+    hold_grads,
+    local_tensor,
+    park_grads,
+    sharded_buffers,
+)
 from fsdp_rs.runtime.group.params import clear_grads
 
 __all__ = ["ELEMENTWISE", "FlatOptimizer"]
@@ -505,8 +511,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "_zero_grad_profile_name"):
             self._patch_step_function()
         with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
-            for group in self.param_groups:
-                clear_grads(group["params"])
+            # [Note: Parked gradient buffers] in ``runtime/group/grad_buffers.py``
+            live = [gs.sb._group() for gs in self._groups.values() if gs.sb.current()]
+            held = hold_grads(live)
+            try:
+                for group in self.param_groups:
+                    clear_grads(group["params"])
+            finally:
+                park_grads(held)
         return None
 
     def _shadow_step(self, entries: list[tuple[int, torch.Tensor, dict]]) -> None:

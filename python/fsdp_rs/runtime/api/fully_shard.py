@@ -39,6 +39,7 @@ from fsdp_rs.runtime.api.policies import (
 )
 from fsdp_rs.runtime.checks.optimizer_check import FQN_ATTR, OWNER_ATTR, register_optimizer_check
 from fsdp_rs.runtime.comm.mesh import MeshInfo, from_torch_mesh_info, mesh_info
+from fsdp_rs.runtime.group.grad_buffers import hold_grads, park_grads
 from fsdp_rs.runtime.group.grad_dtypes import adopt_grad_dtypes, grad_dtype_keys, grad_policies
 from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 from fsdp_rs.runtime.group.params import collect_params, state_of
@@ -476,6 +477,21 @@ class FSDPModule(CommSettings, TorchFSDPModule):
 
     def _groups(self, recurse: bool) -> list:
         return [s.group for s in self._states(recurse) if s.group is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; with ``set_to_none`` (the default), each group's
+        gradient buffer is parked for the next backward where nothing else holds
+        it ([Note: Parked gradient buffers] in ``runtime/group/grad_buffers.py``)."""
+        if not set_to_none:
+            return super().zero_grad(set_to_none=False)
+        groups = self._groups(recurse=True)
+        flat = [g for b in groups for g in (b.groups if isinstance(b, GroupBundle) else (b,))]
+        held = hold_grads(flat)
+        try:
+            super().zero_grad(set_to_none=True)
+        finally:
+            park_grads(held)
+        return None
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the sharded ones are registered again."""

@@ -12,14 +12,36 @@ buffer, bit for bit the same per element as over each gradient. Anything else
 (a ``.grad`` the user replaced or set, a gradient made by the rare per-parameter
 path, only some of a group's gradients passed) is left to the caller's
 per-gradient path.
+
+[Note: Parked gradient buffers]
+A backward that finds every ``.grad`` None (the step after ``zero_grad()``)
+makes a new sharded gradient buffer and a DTensor view per parameter ([Note:
+Sharded gradient buffer]): two Python objects per parameter every step, made,
+traversed by the garbage collector while they live and freed again at the next
+``zero_grad``, the larger part of a step's cost per parameter. ``FlatOptimizer.zero_grad``
+(fsdp-rs's own, which knows the groups) instead parks a group's buffer where it
+can tell nothing outside fsdp-rs holds it: every view was its parameter's
+``.grad`` and ``zero_grad`` cleared them all, and afterwards no Python reference
+remains to a view or its local tensor but fsdp-rs's own, and no tensor but the
+buffer and the views shares its storage (the reference counts and the storage's
+use count say so, in C-level passes). Then the storage is resized to 0 bytes, so
+the memory is freed at ``zero_grad`` as FSDP2 frees it, and the next reduction
+that would make a new buffer resizes it back and assigns the same views again,
+in the same layout and dtype: bits and memory as a new buffer's, no object made.
+Anything else (a ``.grad`` the user kept, or its local tensor or a view of it, a
+gradient layout or dtype changed since, ``zero_grad`` from another optimizer or
+the module) takes the usual path, so a kept ``.grad`` is never written by a
+later backward. Views held through a tensor weak reference are fixed first
+(``_fix_weakref``), as torch requires for a tensor whose other references go.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +54,9 @@ from fsdp_rs.runtime.group.params import is_none
 __all__ = [
     "GradBuffer",
     "ShardedBuffer",
+    "hold_grads",
     "local_tensor",
+    "park_grads",
     "sharded_buffers",
     "sharded_grad_buffers",
 ]
@@ -192,3 +216,68 @@ def sharded_buffers(
             grad_layout,
         )
     return list(found.values()), others
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
+_FIX_WEAKREF = torch.Tensor._fix_weakref
+
+
+def hold_grads(groups: Sequence) -> list:
+    """Before a ``zero_grad`` clears the ``.grad``s: keep each group's gradient
+    buffer and views alive where they are its ``.grad``s, for ``park_grads``;
+    returns the groups holding ([Note: Parked gradient buffers])."""
+    holding = []
+    for group in groups:
+        if group._parked is not None or group._holding is not None:
+            continue
+        found = _whole(group)
+        if found is not None:
+            deque(map(_FIX_WEAKREF, found[1]), maxlen=0)
+            group._holding = found
+            holding.append(group)
+    return holding
+
+
+def park_grads(groups: Sequence) -> None:
+    """After ``zero_grad`` cleared the ``.grad``s: free each held buffer's memory
+    and keep it and its views for the group's next reduction where nothing
+    outside fsdp-rs holds them; else let them go ([Note: Parked gradient
+    buffers])."""
+    for group in groups:
+        held, group._holding = group._holding, None
+        if held is not None:
+            _park(group, *held)
+
+
+def _park(group, buffer: torch.Tensor, views: list[DTensor]) -> None:
+    if not all(map(is_none, map(_GRAD, group._grad_params))):
+        return
+    locals_ = list(map(_LOCAL, views))
+    listed = next(map(sys.getrefcount, [object()]))  # an object a list alone holds
+    storage = buffer.untyped_storage()
+    if (
+        set(map(sys.getrefcount, views)) != {listed}
+        or set(map(sys.getrefcount, locals_)) != {listed + 1}  # and its DTensor
+        # the buffer, the views' local tensors and ``storage`` itself
+        or torch._C._storage_Use_Count(storage._cdata) != len(views) + 2
+    ):
+        return
+    storage.resize_(0)
+    group._parked = (buffer, views, group.grad_layout, group.grad_dtype)
+
+
+def take_parked(group) -> tuple[torch.Tensor, list[DTensor]] | None:
+    """The group's parked buffer, its storage allocated again, and its views,
+    where they fit its current gradient layout and dtype; None otherwise (a
+    parked one is dropped then) ([Note: Parked gradient buffers])."""
+    parked, group._parked = group._parked, None
+    if parked is None:
+        return None
+    buffer, views, layout, dtype = parked
+    ref = group._grad_ref
+    if layout is not group.grad_layout or dtype != group.grad_dtype or ref is None:
+        return None
+    if ref() is not buffer or buffer.device != group.sharded.device:
+        return None
+    buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+    return buffer, views

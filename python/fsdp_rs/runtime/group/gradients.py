@@ -165,6 +165,7 @@ from fsdp_rs.runtime.comm.collectives import (
     reduce_scatter,
     unreduced_post_divide,
 )
+from fsdp_rs.runtime.group.grad_buffers import take_parked
 from fsdp_rs.runtime.group.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 from fsdp_rs.runtime.step.observe import phase
 from fsdp_rs.runtime.variants.nd import DTensorParam
@@ -200,6 +201,11 @@ class GradientReduction:
     Wider gradient accumulation]) and the flags the API sets
     (``reduce_grads``, ``all_reduce_grads``, ``gradient_divide_factor``,
     ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
+
+    # [Note: Parked gradient buffers] (``grad_buffers``): the buffer and views kept
+    # across ``FlatOptimizer.zero_grad``, while it runs and until the next reduction
+    _holding: tuple | None = None
+    _parked: tuple | None = None
 
     def _init_gradients(self) -> None:
         # On every device: whether a step pre-places is decided by memory
@@ -671,7 +677,11 @@ class GradientReduction:
 
     def _new_grad_buffer(self) -> tuple[torch.Tensor, list]:
         """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
-        parameter, held weakly ([Note: Sharded gradient buffer])."""
+        parameter, held weakly ([Note: Sharded gradient buffer]); the parked
+        ones where there are ([Note: Parked gradient buffers])."""
+        parked = take_parked(self)
+        if parked is not None:
+            return parked
         buffer = self._new_sharded_grads(torch.empty)
         buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
         local = self._grad_views(buffer)
@@ -726,7 +736,14 @@ class GradientReduction:
             output = output.to(self.sharded.device)
         buffer, views = self._owned()
         if all(had_grad):
-            if buffer is not None and all(map(operator.is_, current, views)):
+            # every view alive and still its parameter's .grad: a view that died
+            # (its .grad cleared while a tensor on the buffer lives on) is None,
+            # and so is its .grad, which must not count as in place
+            if (
+                buffer is not None
+                and not any(map(is_none, views))
+                and all(map(operator.is_, current, views))
+            ):
                 self.shard_ops.post_reduce(output, buffer, divide, True)
                 return
             if all(map(is_none, current)):
