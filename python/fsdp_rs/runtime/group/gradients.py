@@ -167,6 +167,7 @@ from fsdp_rs.runtime.comm.collectives import (
 )
 from fsdp_rs.runtime.group.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 from fsdp_rs.runtime.step.observe import phase
+from fsdp_rs.runtime.step.training_state import backward_task
 from fsdp_rs.runtime.variants.nd import DTensorParam
 
 __all__ = ["GradientReduction"]
@@ -289,7 +290,7 @@ class GradientReduction:
         # place (another group's reduction freeing room) leaves this backward
         # on the per-gradient path, FSDP2's own, with the same results; this
         # group's post-backward reads the question anew.
-        task = torch._C._current_graph_task_id()
+        task = backward_task()
         if self._declined_in == task:
             return
         if not params or not self._preplace_fits() or not all(map(is_none, get_grads(params))):
@@ -348,7 +349,6 @@ class GradientReduction:
             clear_grads(self._unsharded_with_grad)
         self._free_grad_buffer()
         self._versions = None
-        self.post_backward_done = False
         self.finalize_pending = False
 
     def _free_grad_buffer(self) -> None:
@@ -361,7 +361,6 @@ class GradientReduction:
     def post_backward(self) -> None:
         """Reduce the gradients autograd left on the unsharded parameters into the
         sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
-        self.post_backward_done = True
         self._declined_in = None  # [Note: One placement check per backward]
         # Without sync the gradients wait for a synced post-backward, which
         # finalize_backward() runs ([Note: Manual backward finalization]).

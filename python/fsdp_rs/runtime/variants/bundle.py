@@ -55,7 +55,7 @@ class GroupBundle:
         return any(group.unshard_pending for group in self.groups)
 
     @property
-    def post_backward_done(self) -> bool:  # set through __setattr__, on every group
+    def post_backward_done(self) -> bool:  # [Note: Training state]
         return all(group.post_backward_done for group in self.groups)
 
     @property
