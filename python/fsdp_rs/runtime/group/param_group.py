@@ -243,11 +243,6 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             self.preplace_grads = False  # autograd hands over DTensors
         self._build_sharded(params)
 
-    @property
-    def post_backward_done(self) -> bool:
-        """The group's post-backward hook ran in this backward ([Note: Training state])."""
-        return self.training_state is TrainingState.POST_BACKWARD
-
     # ------------------------------------------------------------------ init
 
     def _set_dtypes(self, orig_dtype: torch.dtype) -> None:

@@ -80,11 +80,7 @@ from fsdp_rs.runtime.step import finalize
 from fsdp_rs.runtime.step.backward_order import BackwardOrder
 from fsdp_rs.runtime.step.containers import cast_floats, map_tensors, tensors_in, to_device
 from fsdp_rs.runtime.step.observe import PROFILING, logs_enabled, phase, rare
-from fsdp_rs.runtime.step.training_state import (
-    TrainingState,
-    backward_running,
-    backward_unfinished,
-)
+from fsdp_rs.runtime.step.training_state import TrainingState, backward_unfinished
 from fsdp_rs.runtime.variants.extensions import check_extensions
 from fsdp_rs.runtime.variants.spmd_annotations import spmd_types_module, untyped
 
@@ -503,7 +499,8 @@ class FSDPState:
         else:
             return output
         context = self.context
-        if not backward_running(context):  # not a recomputation inside backward
+        # [Note: Training state] no backward of this root runs: not a recomputation
+        if context.backward_order is None:
             context.backward_slots.append((self, self._call_hooked))
         return output
 
@@ -518,7 +515,7 @@ class FSDPState:
 
     def _begin_backward(self) -> None:
         context = self.context
-        if not backward_running(context):  # this root's backward begins
+        if context.backward_order is None:  # this root's backward begins ([Note: Training state])
             if context.manual_active is None:  # the iteration's mode, set at its start
                 context.manual_active = context.manual_finalization
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -558,7 +555,7 @@ class FSDPState:
 
     def post_backward(self) -> None:
         group = self.group
-        if group is not None and not group.post_backward_done:
+        if group is not None and group.training_state is not TrainingState.POST_BACKWARD:
             order = self.context.backward_order
             # [Note: Partial gradients of a module called twice]
             group.visits_left = order is not None and order.pending(self)
@@ -599,7 +596,7 @@ class FSDPState:
             if group is None:
                 continue
             state._modules_ran.clear()
-            done = group.post_backward_done
+            done = group.training_state is TrainingState.POST_BACKWARD
             group.training_state = TrainingState.IDLE  # [Note: Training state]
             if not done:
                 if manual and group.reduce_grads:

@@ -3,7 +3,8 @@ phase questions the runtime asks, answered here and nowhere else.
 
 [Note: Training state]
 Each group has a ``TrainingState``, set by the module hooks and the root's
-end-of-backward callback (``step/state.py``), never by the group itself:
+end-of-backward callback (``step/state.py``), never by the group itself (a
+``GroupBundle`` sets it on each of its groups, which so share one):
 
 - ``IDLE``: no autograd graph of this iteration holds the group's unsharded
   parameters (before the first forward, after the end of a backward, after
@@ -29,7 +30,9 @@ several ran forward is the state's own bookkeeping (``FSDPState._modules_ran``,
 
 The root's phase is its ``Context.backward_order``: set by the first pre-backward
 hook of a backward (which queues the end-of-backward callback), None again once
-that callback took it, so "a backward of this root is running" reads it. Where
+that callback took it, so "a backward of this root is running" reads it (the
+hooks read the attribute; ``in_backward`` and ``backward_unfinished`` add
+autograd's answer). Where
 only autograd knows (a forward recomputed by activation checkpointing inside
 backward runs the forward hooks; the end-of-backward callback runs inside the
 backward's graph task), ``backward_task`` asks it, here only.
@@ -43,7 +46,6 @@ import torch
 
 __all__ = [
     "TrainingState",
-    "backward_running",
     "backward_task",
     "backward_unfinished",
     "in_autograd_backward",
@@ -75,12 +77,6 @@ def in_autograd_backward() -> bool:
     """Whether autograd is running a backward on this thread (the hooks of a
     forward recomputed inside backward and the end-of-backward callback are)."""
     return _graph_task_id() != -1
-
-
-def backward_running(context) -> bool:
-    """Whether a backward of ``context``'s root began (its first pre-backward
-    hook ran) and its end-of-backward callback has not run yet."""
-    return context.backward_order is not None
 
 
 def in_backward(context) -> bool:
