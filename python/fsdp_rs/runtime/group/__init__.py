@@ -2,5 +2,6 @@
 from a module's parameters (``param_group``), its parameters as views of the group
 buffers (``params``), its layout key (``layout``), the unshard / reshard transitions
 (``unshard``), gradient buffers and the post-backward reduction (``gradients``,
-``grad_buffers``, ``grad_dtypes``).
+``grad_buffers``, ``grad_dtypes``), the gradients it holds unreduced between
+backwards (``grad_state``).
 """

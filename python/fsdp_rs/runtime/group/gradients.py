@@ -38,7 +38,8 @@ fsdp-rs holds no more memory than FSDP2 at any point of a step
 - [No sync] gradients already in the reduce dtype stay on the unsharded
   parameters and autograd adds the next backward's into them in place, as
   FSDP2 keeps them; in another dtype they are cast once and the next ones
-  added in place, as FSDP2's ``unsharded_accumulated_grad``.
+  added in place, as FSDP2's ``unsharded_accumulated_grad`` ([Note:
+  Unreduced gradients] names the forms).
 
 The pre-placed buffer holds a whole group's gradients (zeros where none
 arrived yet) while autograd computes each fresh one, so up to one group's
@@ -166,8 +167,15 @@ from fsdp_rs.runtime.comm.collectives import (
     unreduced_post_divide,
 )
 from fsdp_rs.runtime.group.grad_buffers import take_parked
+from fsdp_rs.runtime.group.grad_state import (
+    Accumulated,
+    AccumulatedBuffer,
+    KeptOnParams,
+    PartialReduce,
+)
 from fsdp_rs.runtime.group.params import alias_storage, clear_grads, get_grads, is_none, set_grads
 from fsdp_rs.runtime.step.observe import phase
+from fsdp_rs.runtime.step.training_state import backward_task
 from fsdp_rs.runtime.variants.nd import DTensorParam
 
 __all__ = ["GradientReduction"]
@@ -221,15 +229,10 @@ class GradientReduction:
         # The aliases' version counters when placed; only autograd's additions
         # move them, so the post-backward's reading serves the next placement.
         self._versions: list[int] | None = None
-        # [No sync] the unsharded parameters whose .grad keep the gradients so far
-        # (in the reduce dtype), or the accumulated unsharded gradients in the
-        # reduce dtype: a per-param list, or (buffer in the unsharded layout,
-        # had-gradient mask); see [Note: Reduction memory].
-        self._kept: list[torch.Tensor] | None = None
-        self._accumulated: list[torch.Tensor | None] | None = None
-        self._accumulated_buffer: tuple[torch.Tensor, list[bool]] | None = None
-        self._partial_reduce: torch.Tensor | None = None
-        self._partial_had: list[bool] | None = None  # this rank's, for _partial_reduce
+        # [Note: Unreduced gradients] what backwards without sync left (None:
+        # nothing), and what backwards without HSDP's all-reduce left
+        self._unsynced: KeptOnParams | Accumulated | AccumulatedBuffer | None = None
+        self._partial: PartialReduce | None = None
         # the module's backward visits the group again in this backward (it ran
         # more than once in forward): [Note: Partial gradients of a module called twice]
         self.visits_left = False
@@ -248,9 +251,8 @@ class GradientReduction:
         parameter that takes gradients; see [Note: Pre-placed gradients]."""
         if self._placed:  # [No sync] the old buffer keeps the gradients so far
             had = list(map(operator.ne, map(_VERSION, self._grad_aliases), self._versions))
-            self._accumulated_buffer = (self.unsharded_grad, had)
+            self._unsynced = AccumulatedBuffer(self.unsharded_grad, had)
             self._placed = False
-            self._kept = None
         self.unsharded_grad = torch.empty(
             self.grad_layout.plan.unsharded_numel, dtype=self.param_dtype, device=self.device
         )
@@ -295,7 +297,7 @@ class GradientReduction:
         # place (another group's reduction freeing room) leaves this backward
         # on the per-gradient path, FSDP2's own, with the same results; this
         # group's post-backward reads the question anew.
-        task = torch._C._current_graph_task_id()
+        task = backward_task()
         if self._declined_in == task:
             return
         if not params or not self._preplace_fits() or not all(map(is_none, get_grads(params))):
@@ -331,30 +333,23 @@ class GradientReduction:
 
     def holds_unreduced_grads(self) -> bool:
         """Gradients of the unsharded parameters that no reduction has taken yet:
-        kept without sync, accumulated, placed or awaiting agreement."""
-        return (
-            self._kept is not None
-            or self._accumulated is not None
-            or self._accumulated_buffer is not None
-            or self._partial_reduce is not None
-            or self._placed
-        )
+        left by backwards without sync or all-reduce ([Note: Unreduced
+        gradients]), or placed for a backward in progress."""
+        return self._unsynced is not None or self._partial is not None or self._placed
 
     def discard_gradient_state(self) -> None:
         """Drop what a failed iteration left (``reset_iter_state``): gradients
         accumulated without sync or all-reduce, a reduction awaiting agreement,
         the placed unsharded gradients. Assigned sharded ``.grad``s stay."""
-        self._accumulated = self._accumulated_buffer = None
-        self._partial_reduce = self._partial_had = None
+        unsynced, self._unsynced = self._unsynced, None
+        self._partial = None
         self._unagreed = None
-        if self._kept is not None:
-            clear_grads(self._kept)
-            self._kept = None
+        if isinstance(unsynced, KeptOnParams):
+            clear_grads(unsynced.params)
         if self._placed and self.unsharded_params is not None:
             clear_grads(self._unsharded_with_grad)
         self._free_grad_buffer()
         self._versions = None
-        self.post_backward_done = False
         self.finalize_pending = False
 
     def _free_grad_buffer(self) -> None:
@@ -367,7 +362,6 @@ class GradientReduction:
     def post_backward(self) -> None:
         """Reduce the gradients autograd left on the unsharded parameters into the
         sharded ``.grad`` DTensors, then reshard (per ``reshard_after_backward``)."""
-        self.post_backward_done = True
         self._declined_in = None  # [Note: One placement check per backward]
         # Without sync the gradients wait for a synced post-backward, which
         # finalize_backward() runs ([Note: Manual backward finalization]).
@@ -375,17 +369,20 @@ class GradientReduction:
         if self.unsharded_params is None or not self._grad_index:
             return  # never unsharded, or nothing trainable: the same on every rank
         params = self._unsharded_with_grad
-        if self._kept is not None and self._kept is not params:
+        kept = self._unsynced
+        if isinstance(kept, KeptOnParams) and kept.params is not params:
             # [No sync] the unsharded parameters were made again since (adoption)
-            self._accumulated = self._read_grads(self._kept)
-            clear_grads(self._kept)
-            self._kept = None
+            self._unsynced = Accumulated(self._read_grads(kept.params))
+            clear_grads(kept.params)
+        del kept  # the old parameters: no reference left here
         grads = self._read_grads(params)
         keep = not self.reduce_grads and self._keeps_on_params(grads)
-        if keep:
-            self._kept = params  # [No sync] as FSDP2: see [Note: Reduction memory]
+        if keep:  # [No sync] as FSDP2: see [Note: Unreduced gradients]
+            if not isinstance(self._unsynced, KeptOnParams):
+                self._unsynced = KeptOnParams(params)
         else:
-            self._kept = None
+            if isinstance(self._unsynced, KeptOnParams):
+                self._unsynced = None  # read: reduced, or accumulated, below
             clear_grads(params)
         # Reshard first, as FSDP2 does: the unsharded parameters are freed before
         # the reduction allocates its buffers ([Note: Reduction memory]). A
@@ -424,10 +421,9 @@ class GradientReduction:
         parameters: nothing accumulated elsewhere, all in the accumulation dtype
         (the reduce dtype unless [Note: Gradient dtype policy])."""
         dtype = self.accumulate_dtype
-        return (
-            self._accumulated is None
-            and self._accumulated_buffer is None
-            and all(g is None or g.dtype == dtype for g in grads)
+        unsynced = self._unsynced
+        return (unsynced is None or isinstance(unsynced, KeptOnParams)) and all(
+            g is None or g.dtype == dtype for g in grads
         )
 
     def _reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
@@ -455,12 +451,13 @@ class GradientReduction:
         return [v if h else None for v, h in zip(views, had, strict=True)]
 
     def _reduce_buffer(self, buffer: torch.Tensor, had: list[bool]) -> None:
-        if self._accumulated is not None:  # mixed with a per-gradient step: go per gradient
-            self._reduce_list(self._buffer_as_list(buffer, had))
+        if isinstance(self._unsynced, Accumulated):  # mixed with a per-gradient step
+            self._reduce_list(self._buffer_as_list(buffer, had))  # goes per gradient
             return
-        if self._accumulated_buffer is not None:  # in place, as FSDP2's ``+=``
-            previous, previous_had = self._accumulated_buffer
-            self._accumulated_buffer = None
+        unsynced = self._unsynced
+        if isinstance(unsynced, AccumulatedBuffer):  # in place, as FSDP2's ``+=``
+            previous, previous_had = unsynced.buffer, unsynced.had
+            self._unsynced = None
             previous.add_(buffer)
             if buffer is self.unsharded_grad:  # read: [Note: Reduction memory]
                 self._free_grad_buffer()
@@ -469,7 +466,7 @@ class GradientReduction:
         if not self.reduce_grads:
             if buffer is self.unsharded_grad:  # freed next; FSDP2 keeps the reduce dtype
                 buffer = buffer.to(self.accumulate_dtype, copy=True)
-            self._accumulated_buffer = (buffer, had)
+            self._unsynced = AccumulatedBuffer(buffer, had)
             return
         division = self._division()
         rs_in = self._reduce_scatter_input()
@@ -484,13 +481,19 @@ class GradientReduction:
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
         """Reduce per gradient. Clears ``grads`` once they are read, which frees
         them where it held the last references ([Note: Reduction memory])."""
-        if self._accumulated_buffer is not None:
-            self._accumulated = self._buffer_as_list(*self._accumulated_buffer)
-            self._accumulated_buffer = None
+        # what backwards without sync accumulated, per parameter (or None): taken,
+        # added to this backward's below
+        unsynced, self._unsynced = self._unsynced, None
+        accumulated = None
+        if isinstance(unsynced, AccumulatedBuffer):
+            accumulated = self._buffer_as_list(unsynced.buffer, unsynced.had)
+        elif isinstance(unsynced, Accumulated):
+            accumulated = unsynced.grads
+        del unsynced  # no reference left here: [Note: Reduction memory]
         if self._grad_nd is not None:  # [Note: DTensor parameters]
             grads[:] = map(_local_grad, self._grad_nd, grads)
-            if self._accumulated is not None:
-                self._accumulated = list(map(_local_grad, self._grad_nd, self._accumulated))
+            if accumulated is not None:
+                accumulated = list(map(_local_grad, self._grad_nd, accumulated))
         # Gradients of several dtypes: autograd left some in the reduce dtype
         # (``reduces_outside_dp``), or, where a group widens, in whatever dtype an
         # op's backward gave (torch >= 2.15's RMSNorm gives its bf16 weight an
@@ -500,20 +503,21 @@ class GradientReduction:
         if len({g.dtype for g in grads if g is not None}) > 1:
             grads[:] = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         dtype = self.accumulate_dtype
-        if self._accumulated is not None:  # in place, as FSDP2's ``+=``
+        if accumulated is not None:  # in place, as FSDP2's ``+=``
             grads[:] = [
                 a if g is None else (g.to(dtype) if a is None else _accumulate(a, g))
-                for a, g in zip(self._accumulated, grads, strict=True)
+                for a, g in zip(accumulated, grads, strict=True)
             ]
-            self._accumulated = None
+            accumulated = None
         if not self.reduce_grads:
             # [No sync] keep the unsharded gradients, in the reduce dtype as FSDP2 does;
             # a copy of those that alias the gradient buffer (freed next).
             placed = self.unsharded_grad.untyped_storage().data_ptr() if self._placed else None
-            self._accumulated = [
+            copies = [
                 None if g is None else g.to(dtype, copy=g.untyped_storage().data_ptr() == placed)
                 for g in grads
             ]
+            self._unsynced = Accumulated(copies)
             grads.clear()
             return
         division = self._division()
@@ -606,17 +610,19 @@ class GradientReduction:
             if info.replicate_group is not None:
                 # [No all-reduce] the replicas' partial gradients are summed here
                 # until a backward all-reduces them (on this stream: it made them).
-                if self._partial_reduce is not None and (  # in place, as FSDP2's ``+=``
+                partial = self._partial
+                if partial is not None and (  # in place, as FSDP2's ``+=``
                     not self.all_reduce_grads
                     or self._partial_first
                     or any(had_grad)
                     or not self.visits_left
                 ):
-                    output.add_(self._partial_reduce)
-                    had_grad = list(map(operator.or_, had_grad, self._partial_had))
-                    self._partial_reduce = self._partial_had = None
+                    output.add_(partial.output)
+                    had_grad = list(map(operator.or_, had_grad, partial.had))
+                    self._partial = None
+                del partial
                 if not self.all_reduce_grads:
-                    self._partial_reduce, self._partial_had = output, had_grad
+                    self._partial = PartialReduce(output, had_grad)
                     self._end_reduction(rs_in, rs_event, rs_stream, streams.record(rs_stream), None)
                     return
         hook = self.all_reduce_hook

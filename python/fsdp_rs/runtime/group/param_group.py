@@ -41,8 +41,8 @@ training forward's unshard has nothing to do. Followed only from SHARDED, a
 parameter unfrozen there never trained (and FSDP2, which sets
 ``requires_grad`` only when it moves to UNSHARDED, trains it one step late
 and a frozen one one step more). Whether an autograd graph may hold the
-unsharded parameters is ``forward_graph``: set by a forward with grad enabled,
-cleared at the end of the backward. Without one, the unshard reshards and
+unsharded parameters is the group's training state ([Note: Training state]):
+from a forward with grad enabled to the end of its backward. Without one, the unshard reshards and
 unshards again from the shards (one all-gather, only when the set changed);
 with one (a second forward before the backward, or a forward with grad
 enabled whose backward never ran), making the parameters again would leave
@@ -88,6 +88,7 @@ from fsdp_rs.runtime.group.gradients import GradientReduction
 from fsdp_rs.runtime.group.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.group.params import ManagedParams, alias_storage
 from fsdp_rs.runtime.group.unshard import ShardedState, Unsharding, post_forward_process_group
+from fsdp_rs.runtime.step.training_state import TrainingState, in_autograd_backward
 from fsdp_rs.runtime.variants.nd import dtensor_params
 from fsdp_rs.runtime.variants.spmd_annotations import annotated_params
 
@@ -248,10 +249,8 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.all_reduce_hook = None
         self.force_sum_reduction = False
         self.reshard_after_forward: bool | int = True
-        self.post_backward_done = False
-        # A forward with grad enabled ran on the unsharded parameters and the end of
-        # its backward has not come: [Note: Trainable set changes]
-        self.forward_graph = False
+        # set by the hooks: [Note: Training state]
+        self.training_state = TrainingState.IDLE
         # (work of an async collective, all-gather output, its event, all-gather input)
         self._pending_unshard: tuple | None = None
         self.streams = NO_STREAMS  # the root's, from lazy init
@@ -524,15 +523,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         """Whether an unshard must make the unsharded parameters again because a
         sharded parameter's ``requires_grad`` changed ([Note: Trainable set
         changes]); raises where gradients of the old set wait for a reduction."""
-        if (
-            self.unsharded_params is None
-            or torch._C._current_graph_task_id() != -1  # backward: the forward's set
-        ):
+        if self.unsharded_params is None or in_autograd_backward():  # backward: the forward's set
             return False
         now = self.requires_grad_now()
         if now == self.requires_grad:
             return False
-        if self.state is not ShardedState.SHARDED and self.forward_graph:
+        if self.state is not ShardedState.SHARDED and self.training_state.holds_graph:
             raise self._change_refused(
                 now,
                 "while its unsharded parameters are held by the autograd graph of a "

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
 from fsdp_rs.runtime.comm.collectives import all_gather
 from fsdp_rs.runtime.comm.mesh import MeshInfo, per_mesh
+from fsdp_rs.runtime.step.training_state import in_autograd_backward
 
 __all__ = ["ShardedState", "Unsharding", "post_forward_process_group"]
 
@@ -156,7 +157,7 @@ class Unsharding:
         """At a reshard from UNSHARDED: a ``requires_grad`` the user set on the
         registered (unsharded) parameters goes to the sharded ones before the swap,
         where no forward's graph holds them ([Note: Trainable set changes])."""
-        if not (after_forward or self.forward_graph) and torch._C._current_graph_task_id() == -1:
+        if not (after_forward or self.training_state.holds_graph or in_autograd_backward()):
             self.requires_grad_now()
 
     @outside_functorch
@@ -286,7 +287,7 @@ class Unsharding:
         self._copy_out(ag)
         # Rows for a post-forward reshard: only outside backward, which reshards to
         # SHARDED; in backward the all-gather output is freed now, as FSDP2 frees it.
-        if self.post_forward_group is not None and torch._C._current_graph_task_id() == -1:
+        if self.post_forward_group is not None and not in_autograd_backward():
             size = self.info.shard_size // self.post_forward_size
             first = (self.info.shard_rank % self.post_forward_size) * size
             self._ag_rows = (ag, first, size)

@@ -33,10 +33,9 @@ finalization is on: the traced reductions have no end of backward to defer.
 
 from __future__ import annotations
 
-import torch
-
 from fsdp_rs.runtime.api.errors import check_bool
 from fsdp_rs.runtime.comm.streams import NO_STREAMS
+from fsdp_rs.runtime.step.training_state import in_autograd_backward, in_backward
 
 __all__ = [
     "GradientReductionHandle",
@@ -80,7 +79,7 @@ def set_manual(state, enabled: bool) -> None:
             "fully_shard module (the one the first forward ran through)"
         )
     if enabled != context.manual_finalization:
-        if torch._C._current_graph_task_id() != -1:
+        if in_autograd_backward():
             raise RuntimeError(
                 "fsdp_rs: set_manual_backward_finalization cannot change mode during backward"
             )
@@ -138,7 +137,7 @@ def finalize_backward(state, async_op: bool):
             "fsdp_rs: finalize_backward requires manual backward finalization: call "
             "set_manual_backward_finalization(True) on the root before forward"
         )
-    if _in_backward(context):
+    if in_backward(context):
         raise RuntimeError(
             "fsdp_rs: finalize_backward must be called after backward completes, not inside it"
         )
@@ -154,11 +153,6 @@ def finalize_backward(state, async_op: bool):
     return handle
 
 
-def _in_backward(context) -> bool:
-    """Whether a backward of this root is running (or its end is still queued)."""
-    return context.callback_queued or torch._C._current_graph_task_id() != -1
-
-
 def _reduce_pending(context) -> None:
     """Reduce every group a backward left pending; reshard the others."""
     for each in reversed(context.states):
@@ -169,7 +163,6 @@ def _reduce_pending(context) -> None:
             group.post_backward()
         elif group.reshard_after_backward:
             group.reshard()
-        group.post_backward_done = False
 
 
 def finish_pipelined_backward(state) -> None:
@@ -186,7 +179,7 @@ def finish_pipelined_backward(state) -> None:
         raise RuntimeError(
             "fsdp_rs: a pipeline stage's module must be the root fully_shard module of the stage"
         )
-    if _in_backward(context):
+    if in_backward(context):
         raise RuntimeError("fsdp_rs: the stage's backward must complete before its reduction")
     with context.untyped():
         _reduce_pending(context)

@@ -27,21 +27,22 @@ FSDP2 (bf16 gradient accumulation then differed by a few ulps).
 A backward that raises midway (a second ``backward()`` through a freed graph,
 an exception from a user's hook or loss, caught by the caller) never reaches
 the end-of-backward callback: groups stay unsharded with the registered
-unsharded parameters, their ``.grad``s hold partial gradients, the backward
-order and the queued-callback flag stay set. The next step then ran on that
-state: its forward on stale unsharded parameters, its backward without an
-end-of-backward callback (the flag said one was queued), and gradients
-added to the leftovers (twice the last layer's, say). FSDP2 leaves the same
-state and asks for ``reset_iter_state()`` on the root. fsdp-rs needs none:
-the flag is set from a backward's first hook until its callback runs, so a
-root forward that finds it set while no backward runs on this thread (a
-recomputation inside backward is one that does) follows a backward that never
-finished, and runs ``reset_iter_state()`` first. That reset is local (it waits
-for the collectives in flight and discards, it issues none), and the ranks
-that ran the same backward raised at the same point, so each starts clean
-alike. What the failed iteration left is dropped, as ``reset_iter_state()``
-documents (gradients accumulated without sync among them); the ``.grad``s
-already assigned stay. The check costs one attribute read per root forward.
+unsharded parameters, their ``.grad``s hold partial gradients, the root's
+backward order stays set and the groups' training states are not IDLE. The
+next step then ran on that state: its forward on stale unsharded parameters,
+its backward without an end-of-backward callback (the root looked as if one
+were queued), and gradients added to the leftovers (twice the last layer's,
+say). FSDP2 leaves the same state and asks for ``reset_iter_state()`` on the
+root. fsdp-rs needs none: a backward of the root runs from its first hook
+until its callback runs ([Note: Training state]), so a root forward that finds
+one running while no backward runs on this thread (a recomputation inside
+backward is one that does) follows a backward that never finished, and runs
+``reset_iter_state()`` first. That reset is local (it waits for the
+collectives in flight and discards, it issues none), and the ranks that ran
+the same backward raised at the same point, so each starts clean alike. What
+the failed iteration left is dropped, as ``reset_iter_state()`` documents
+(gradients accumulated without sync among them); the ``.grad``s already
+assigned stay. The check costs one attribute read per root forward.
 
 [Note: Backward hooks]
 Before a module's backward, a multi-grad hook on its forward outputs unshards
@@ -79,6 +80,7 @@ from fsdp_rs.runtime.step import finalize
 from fsdp_rs.runtime.step.backward_order import BackwardOrder
 from fsdp_rs.runtime.step.containers import cast_floats, map_tensors, tensors_in, to_device
 from fsdp_rs.runtime.step.observe import PROFILING, logs_enabled, phase, rare
+from fsdp_rs.runtime.step.training_state import TrainingState, backward_unfinished
 from fsdp_rs.runtime.variants.extensions import check_extensions
 from fsdp_rs.runtime.variants.spmd_annotations import spmd_types_module, untyped
 
@@ -96,11 +98,11 @@ class Context:
         self.forward_order: list[FSDPState] = []
         # [Note: Backward order] the module calls that registered a pre-backward
         # hook in forward, with whether they registered a post-backward one too;
-        # and, during a backward, where it is in them.
+        # and, while a backward of this root runs, where it is in them (None
+        # between backwards: the root's phase, [Note: Training state]).
         self.backward_slots: list[tuple[FSDPState, bool]] = []
         self.backward_order: BackwardOrder | None = None
         self.agreement = GradientAgreement(streams)
-        self.callback_queued = False
         self.is_last_backward = True
         self.post_optim_event = None
         # [Note: Manual backward finalization] the setting; the mode the running
@@ -343,7 +345,7 @@ class FSDPState:
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self.context
-        if context.callback_queued and torch._C._current_graph_task_id() == -1:
+        if backward_unfinished(context):
             self.reset_iter_state()  # [Note: A backward that raised]
         finalize.check_no_pending(context)
         if torch.is_grad_enabled():
@@ -369,8 +371,8 @@ class FSDPState:
         else:
             group.unshard(async_op=group.unshard_async_op, side_streams=True)
             group.wait_for_unshard(defer_release=True)
-        if grad:  # [Note: Trainable set changes]
-            group.forward_graph = True
+        if grad and group.training_state is TrainingState.IDLE:
+            group.training_state = TrainingState.FORWARD  # [Note: Training state]
         for other in self.forward_prefetch:
             if other.group is not None:
                 other._prefetch("forward")
@@ -433,13 +435,12 @@ class FSDPState:
             if state.group is not None:
                 state.group.discard_unshard_state()
                 state.group.discard_gradient_state()
-                state.group.forward_graph = False
+                state.group.training_state = TrainingState.IDLE
         context.agreement.discard()
         finalize.discard(context)
         context.forward_order = []
         context.backward_slots = []
         context.backward_order = None
-        context.callback_queued = False
 
     def _reshard_after_forward(self) -> None:
         if self.group.reshard_after_forward is not False:
@@ -498,7 +499,8 @@ class FSDPState:
         else:
             return output
         context = self.context
-        if context.backward_order is None:  # not a recomputation inside backward
+        # [Note: Training state] no backward of this root runs: not a recomputation
+        if context.backward_order is None:
             context.backward_slots.append((self, self._call_hooked))
         return output
 
@@ -513,8 +515,7 @@ class FSDPState:
 
     def _begin_backward(self) -> None:
         context = self.context
-        if not context.callback_queued:
-            context.callback_queued = True
+        if context.backward_order is None:  # this root's backward begins ([Note: Training state])
             if context.manual_active is None:  # the iteration's mode, set at its start
                 context.manual_active = context.manual_finalization
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -534,7 +535,7 @@ class FSDPState:
         group = self.group
         if group is None:
             return
-        group.post_backward_done = False
+        group.training_state = TrainingState.PRE_BACKWARD
         if group.state != ShardedState.UNSHARDED and group.unshard_in_backward:
             group.unshard(async_op=group.unshard_async_op, side_streams=True)
             group.wait_for_unshard()
@@ -554,7 +555,7 @@ class FSDPState:
 
     def post_backward(self) -> None:
         group = self.group
-        if group is not None and not group.post_backward_done:
+        if group is not None and group.training_state is not TrainingState.POST_BACKWARD:
             order = self.context.backward_order
             # [Note: Partial gradients of a module called twice]
             group.visits_left = order is not None and order.pending(self)
@@ -568,6 +569,7 @@ class FSDPState:
                         group.post_backward()
             finally:
                 group.visits_left = False
+                group.training_state = TrainingState.POST_BACKWARD
 
     def _post_backward_hook(self, grads: tuple) -> None:
         self.post_backward()
@@ -584,10 +586,9 @@ class FSDPState:
 
     def _finish_backward(self) -> None:
         context = self.context
-        context.callback_queued = False
-        for state, hooked in context.backward_order.rest():
+        order, context.backward_order = context.backward_order, None  # ends this backward
+        for state, hooked in order.rest():
             state._replay(hooked)
-        context.backward_order = None
         manual = context.manual_active  # [Note: Manual backward finalization]
         last = context.is_last_backward and not manual
         for state in context.states:
@@ -595,8 +596,9 @@ class FSDPState:
             if group is None:
                 continue
             state._modules_ran.clear()
-            group.forward_graph = False  # [Note: Trainable set changes]
-            if not group.post_backward_done:
+            done = group.training_state is TrainingState.POST_BACKWARD
+            group.training_state = TrainingState.IDLE  # [Note: Training state]
+            if not done:
                 if manual and group.reduce_grads:
                     group.finalize_pending = True  # reduced by finalize_backward()
                     continue
@@ -611,7 +613,6 @@ class FSDPState:
             post_forward = group.state == ShardedState.SHARDED_POST_FORWARD
             if (group.reshard_after_backward or post_forward) and not keep:
                 group.reshard()
-            group.post_backward_done = False
         if manual:  # this backward's own reductions agreed; the rest at finalize
             context.agreement.resolve()
             context.streams.flush_all_gather()  # what forward left, as at any backward end

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_rs.runtime.step.training_state import TrainingState
+
 __all__ = ["GroupBundle"]
 
 
@@ -55,10 +57,6 @@ class GroupBundle:
         return any(group.unshard_pending for group in self.groups)
 
     @property
-    def post_backward_done(self) -> bool:  # set through __setattr__, on every group
-        return all(group.post_backward_done for group in self.groups)
-
-    @property
     def finalize_pending(self) -> bool:  # [Note: Manual backward finalization]
         return any(group.finalize_pending for group in self.groups)
 
@@ -85,6 +83,6 @@ class GroupBundle:
         return found or None
 
     def post_backward(self) -> None:
-        for group in self.groups:
-            if not group.post_backward_done:
+        for group in self.groups:  # one training state: set on all ([Note: Training state])
+            if group.training_state is not TrainingState.POST_BACKWARD:
                 group.post_backward()

@@ -67,6 +67,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.comm.collectives import all_gather
+from fsdp_rs.runtime.group.grad_state import Accumulated
 from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 from fsdp_rs.runtime.group.params import alias_storage
 from fsdp_rs.runtime.group.unshard import ShardedState, outside_functorch
@@ -421,8 +422,9 @@ class ExtensionParamGroup(FSDPParamGroup):
 
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
         grads[:] = map(plain_grad, grads)
-        if self._accumulated is not None:
-            self._accumulated = list(map(plain_grad, self._accumulated))
+        accumulated = self._unsynced  # [Note: Unreduced gradients]
+        if isinstance(accumulated, Accumulated):
+            accumulated.grads = list(map(plain_grad, accumulated.grads))
         super()._reduce_list(grads)
 
 
