@@ -2,7 +2,7 @@
 step runs them, against FSDP2's sequence on the same group (issue 18 asks for
 these at W = 1 on one GPU, and W = 2 where two are lent).
 
-- ``unshard_step``: fsdp-rs as ``runtime/group/unshard.py`` runs it (the cast fused
+- ``unshard_step``: fsdp-rs as ``runtime/group/gather.py`` runs it (the cast fused
   into the copy-in, or the sharded row as the all-gather input where there is
   no cast), ``all_gather_into_tensor``, the copy-out into the unsharded buffer;
   FSDP2 as ``_fsdp_collectives`` runs it (``_foreach_copy_`` cast,

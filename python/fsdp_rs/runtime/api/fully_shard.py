@@ -49,7 +49,7 @@ from fsdp_rs.runtime.step.state import FSDPState
 from fsdp_rs.runtime.variants.bundle import GroupBundle
 from fsdp_rs.runtime.variants.extensions import (
     PRE_ALL_GATHER,
-    ExtensionParamGroup,
+    ExtensionGather,
     has_extension,
     refuse_on_dtensor,
 )
@@ -194,7 +194,8 @@ def fully_shard(
                 size = _post_forward_size(reshard_after_forward, part_info.shard_size)
             args = (part, modules, part_info, _policy_for(mp_policy, key[0]), offload, pin)
             if key[1]:
-                groups.append(ExtensionParamGroup(*args, size, grad_policy=grad[key]))
+                gather = ExtensionGather()  # [Note: All-gather extensions]
+                groups.append(FSDPParamGroup(*args, size, grad_policy=grad[key], gather=gather))
             elif key[2]:
                 part_dims = [d for d, k in zip(dims, keys, strict=True) if k == key]
                 groups.append(ShardDimGroup(*args, None, dims=part_dims, grad_policy=grad[key]))

@@ -196,9 +196,15 @@ def _settings(state) -> list[tuple[str, str]]:
     return settings
 
 
+def _kind(group) -> str:
+    """The group's class and gather strategy: a rank whose shards gained
+    all-gather extensions after ``fully_shard`` has another."""
+    return f"{type(group).__name__}({type(group.gather).__name__})"
+
+
 def _dims_text(group) -> str:
     """[Note: Sharding on another dim] each parameter's shard dim and full shape."""
-    pairs = zip(group.managed.fqns, group.dims, group.full_shapes, strict=True)
+    pairs = zip(group.managed.fqns, group.dims, group.sharding.full_shapes, strict=True)
     return ", ".join(f"{fqn}: Shard({d}) of {tuple(shape)}" for fqn, d, shape in pairs)
 
 
@@ -220,7 +226,7 @@ class _Digests:
         h.update(repr((names, _settings(state))).encode())
         for group in groups_of(state):
             h.update(self._plan(group.plan))
-            h.update(type(group).__name__.encode())  # [Note: All-gather extensions]
+            h.update(_kind(group).encode())  # [Note: All-gather extensions]
             h.update(group.layout.first_dims)
             h.update("\0".join(group.managed.fqns).encode())
             h.update(bytes(map(_REQUIRES_GRAD, group.sharded_params)))
@@ -282,9 +288,7 @@ def _details(state, names: list[str]) -> dict:
         "modules": names,
         "settings": _settings(state),
         "params": params,
-        "plans": [
-            (type(g).__name__, g.plan.fingerprint(), g.plan.row_numel) for g in groups_of(state)
-        ],
+        "plans": [(_kind(g), g.plan.fingerprint(), g.plan.row_numel) for g in groups_of(state)],
     }
 
 

@@ -97,7 +97,7 @@ from fsdp_rs.runtime.compile.traced_dtensor import local_of, unsharded_as
 from fsdp_rs.runtime.compile.traced_extension import extension_gather, untraceable
 from fsdp_rs.runtime.group.unshard import ShardedState
 from fsdp_rs.runtime.step.containers import cast_floats, to_device
-from fsdp_rs.runtime.variants.extensions import ExtensionParamGroup
+from fsdp_rs.runtime.variants.extensions import ExtensionGather
 from fsdp_rs.runtime.variants.shard_dim import ShardDimGroup
 
 __all__ = ["TracedGroup", "disable", "enable"]
@@ -122,7 +122,7 @@ class TracedGroup:
         self.group_name = info.shard_group.group_name if self.world > 1 else ""
         replicas = info.replicate_group
         self.replicate_name = "" if replicas is None else replicas.group_name
-        shapes, _ = group._unsharded_shapes()  # contiguous: a plain group's are
+        shapes, _ = group.sharding.unsharded_shapes(group)  # contiguous: a plain group's are
         self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
         self.ranks = [len(s) for s in shapes]
         self.padded_numels = group.plan.padded_sharded_numel.tolist()
@@ -131,9 +131,9 @@ class TracedGroup:
         # [Note: DTensor parameters] what the module computes with, per parameter
         nd = group.nd or [None] * len(shapes)
         self.unsharded_as = [unsharded_as(d, group.param_dtype) for d in nd]
-        # sharded on another dim: the copies' chunk table (made here, eagerly)
-        shard_dim = isinstance(group, ShardDimGroup)
-        self.chunk_numel = group._chunks(None) if shard_dim else None
+        # sharded on another dim: the copies' chunk table (made here, eagerly);
+        # None on dim 0
+        self.chunk_numel = group.sharding.chunks(group, None)
         # [Note: Gradient layout] the trained parameters' reduction: read from
         # the sharded parameters now, as the eager unshard reads them
         self.trains = [p.requires_grad for p in group.sharded_params]
@@ -144,7 +144,7 @@ class TracedGroup:
         self.grad_row_numel = grad_layout.plan.row_numel
         self.grad_offsets = list(grad_layout.row_offsets)
         self.grad_numels = [self.local_numels[i] for i in self.trained]
-        self.grad_chunk_numel = group._chunks(index) if shard_dim else None
+        self.grad_chunk_numel = group.sharding.chunks(group, index)
         # (module, name, parameter index) of every registration slot
         owner = {id(m._parameters): m for module in modules for m in module.modules()}
         managed = group.managed
@@ -160,7 +160,7 @@ class TracedGroup:
         self.first_slots = [first[i] for i in range(len(first))]
         # [Note: Extensions under trace] the unshard of an extension group
         self.extension_gather = (
-            extension_gather(self) if isinstance(group, ExtensionParamGroup) else None
+            extension_gather(self) if isinstance(group.gather, ExtensionGather) else None
         )
         self.refresh()
 
@@ -193,12 +193,12 @@ def _static_reason(state, group) -> str | None:
             "fully_shard on the module that runs them too, before its first forward: that "
             "one becomes the root)"
         )
-    if type(group) is ExtensionParamGroup:
+    if type(group) not in (FSDPParamGroup, ShardDimGroup):
+        return f"its parameters are gathered by a {type(group).__name__}"
+    if isinstance(group.gather, ExtensionGather):
         why = untraceable(group)  # [Note: Extensions under trace]
         if why is not None:
             return why
-    elif type(group) not in (FSDPParamGroup, ShardDimGroup):
-        return f"its parameters are gathered by a {type(group).__name__}"
     if group.nd is not None and group.widens_grads:
         # [Note: Gradients under trace are in the parameter dtype]
         if any(nd is not None and nd.reduces_outside_dp for nd in group.nd):

@@ -117,7 +117,8 @@ def extension_gather(traced) -> Callable:
         # tensor the graph reads must be), then every parameter's local tensor
         tables, local = tensors[:count], tensors[count:]
         with torch.no_grad():  # as the eager unshard
-            per_param = [group._inputs_of(i, t, chunks[i]) for i, t in enumerate(local)]
+            inputs_of = group.gather.inputs_of
+            per_param = [inputs_of(group, i, t, chunks[i]) for i, t in enumerate(local)]
             inputs = [t for ins, _ in per_param for t in ins]
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
             gathered = all_gather_rows(flat, world, traced.group_name)

@@ -205,7 +205,7 @@ def adopt_grad_dtypes(group) -> None:
                 "groups parameters by gradient dtype at fully_shard: set grad_dtype before "
                 "calling fully_shard"
             )
-        if settings != old and not m.adopts_grad_dtypes:
+        if settings != old and not m.gather.adopts_grad_dtypes:
             raise ValueError(
                 f"fsdp_rs: grad_dtype was set after fully_shard on the {where}, which use "
                 "all-gather extensions; set it before calling fully_shard"

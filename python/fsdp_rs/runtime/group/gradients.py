@@ -525,15 +525,10 @@ class GradientReduction:
         full = list(grads)  # in the gradient layout: [Note: Gradient layout]
         grads.clear()
         rs_in = self._reduce_scatter_input()
-        self._copy_in(full, rs_in, division.pre)
+        self.sharding.copy_in(self, full, rs_in, division.pre)
         full.clear()  # [Note: Reduction memory]
         self._free_grad_buffer()
         self._reduce_scatter(rs_in, division, had)
-
-    def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
-        """The gradients (None: zeros) into the reduce-scatter input's rows."""
-        args = self.grad_layout.tables.reduce_scatter_args()
-        self.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide)
 
     def _division(self):
         info = self.info

@@ -1,7 +1,8 @@
 """One parameter group: one planner call, the group buffers and the sharded
 and unsharded parameters over them. The transitions between them are in
 ``unshard`` (``Unsharding``), the gradient side in ``gradients``
-(``GradientReduction``).
+(``GradientReduction``); what varies between groups is in the strategies the
+group holds, ``gather`` (``GatherStrategy``) and ``sharding`` (``Sharding``).
 
 Per step a group makes O(1) op and collective calls; the only per-parameter
 work is reading the gradients autograd hands over and the C-level swaps of
@@ -64,7 +65,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -77,6 +77,7 @@ from fsdp_rs.runtime.api.policies import accumulates_wider, reduce_dtype_for
 from fsdp_rs.runtime.checks.agreement import trained_digest
 from fsdp_rs.runtime.comm.mesh import MeshInfo
 from fsdp_rs.runtime.comm.streams import NO_STREAMS
+from fsdp_rs.runtime.group.gather import ROW_GATHER, GatherStrategy
 from fsdp_rs.runtime.group.grad_dtypes import (
     UNSET,
     GradPolicy,
@@ -87,6 +88,7 @@ from fsdp_rs.runtime.group.grad_dtypes import (
 from fsdp_rs.runtime.group.gradients import GradientReduction
 from fsdp_rs.runtime.group.layout import LayoutKey, group_layout
 from fsdp_rs.runtime.group.params import ManagedParams, alias_storage
+from fsdp_rs.runtime.group.sharding import DIM0, Sharding
 from fsdp_rs.runtime.group.unshard import ShardedState, Unsharding, post_forward_process_group
 from fsdp_rs.runtime.step.training_state import TrainingState, in_autograd_backward
 from fsdp_rs.runtime.variants.nd import dtensor_params
@@ -128,7 +130,6 @@ _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_IS_META = operator.attrgetter("is_meta")
 _new_dtensor = DTensor.__new__
 
 
@@ -164,17 +165,15 @@ def _parameters(
     return params
 
 
-def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
-    """This rank's shard of each of ``layout``'s params in a buffer of its rows."""
-    return list(map(buffer.as_strided, layout.sharded_sizes, layout.strides, layout.row_offsets))
-
-
 _EXTENSION = "fsdp_pre_all_gather"  # [Note: All-gather extensions]
 
 
 class FSDPParamGroup(Unsharding, GradientReduction):
-    dims: list[int] | None = None  # the dim FSDP shards per parameter; None: all 0
-    adopts_grad_dtypes = True  # set_grad_policy after fully_shard ([Note: Gradient dtype policy])
+    """One ``fully_shard`` group of parameters of one dtype and mesh. What
+    varies between groups is held, not subclassed: ``gather`` (a
+    ``GatherStrategy``: the row-layout buffer, or all-gather extensions) and
+    ``sharding`` (a ``Sharding``: dim 0, or other dims)."""
+
     # (the _grad_index they are for, dtype, a spec per trainable parameter)
     _grad_specs: tuple | None = None
     annotations: list | None = None  # [Note: spmd_types parameters]
@@ -190,7 +189,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         post_forward_size: int | None,
         *,
         grad_policy: GradPolicy | None = None,
+        gather: GatherStrategy = ROW_GATHER,
+        sharding: Sharding = DIM0,
     ) -> None:
+        self.gather = gather
+        self.sharding = sharding
+        self.dims = sharding.dims  # the dim FSDP shards per parameter; None: all 0
         self.managed = managed
         self.grad_policy = grad_policy  # [Note: Gradient dtype policy]
         # each parameter's own setting, which its sharded parameter keeps
@@ -216,7 +220,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and offload_to_cpu and torch.cuda.is_available()
         # of what is sharded (local shapes), as planned
-        self.shapes = self._planned_shapes(list(map(_SHAPE, params)))
+        self.shapes = sharding.planned_shapes(self, list(map(_SHAPE, params)))
         self.post_forward_size = post_forward_size
         self._set_dtypes(params[0].dtype)
         self.ops = EagerOps(self.device)  # [Note: Eager op calls]
@@ -261,7 +265,9 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self._init_gradients()
         if self.nd is not None:
             self.preplace_grads = False  # autograd hands over DTensors
-        self._build_sharded(params)
+        if not (gather.preplaces_grads and sharding.preplaces_grads):
+            self.preplace_grads = False
+        gather.build_sharded(self, params)
 
     # ------------------------------------------------------------------ init
 
@@ -371,84 +377,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         buf._fsdp_rs_group = weakref.ref(self)  # [Note: Whole gradient buffers]
         return buf
 
-    def _build_sharded(self, params: list[nn.Parameter]) -> None:
-        """Sharded buffer filled from the full parameters (one reduce-scatter
-        copy-in of them gives every rank's row; this rank keeps its own), and
-        the sharded DTensor parameters as views into it."""
-        meta = any(map(_IS_META, params))
-        device = torch.device("meta") if meta else self.shard_device
-        self.sharded = self._alloc_sharded(device)
-        views = self._local_views(self.sharded)
-        if not meta:
-            with torch.no_grad():
-                self._fill_sharded(params, views)
-        self._make_sharded_params(self.requires_grad, views)
-        self.managed.swap(self.sharded_params)
-
-    def _fill_sharded(self, full: Sequence[torch.Tensor], views: list[torch.Tensor]) -> None:
-        """Copy this rank's rows of every full parameter into the sharded buffer.
-
-        ``torch._chunk_cat`` (one C call, no per-param views) pads and chunks
-        every param as FSDP2 shards them, giving all ranks' rows without the
-        alignment gaps; this rank's row is then placed by one ``index_copy_``.
-        It refuses empty tensors: a group with one takes the per-param path
-        (C-level ``narrow`` then one ``_foreach_copy_``)."""
-        plan, info = self.plan, self.info
-        padded = plan.padded_sharded_numel
-        if len(padded) and np.count_nonzero(padded) == len(padded):
-            row = torch._chunk_cat(full, 0, info.shard_size)[info.shard_rank]
-            row = row.to(self.sharded.device)
-            if row.numel() == plan.row_numel:  # no gaps
-                self.sharded.copy_(row)
-            else:
-                cols = self.layout.fill_columns().to(row.device)
-                self.sharded.index_copy_(0, cols, row)
-            return
-        starts = np.minimum(plan.chunk_rows * info.shard_rank, self.layout.first_dims)
-        sources = list(
-            map(
-                torch.Tensor.narrow,
-                full,
-                itertools.repeat(0),
-                starts.tolist(),
-                plan.sharded_rows.tolist(),
-            )
-        )
-        torch._foreach_copy_(views, sources)
-
-    def _planned_shapes(self, shapes: list[torch.Size]) -> list[torch.Size]:
-        """The shapes the group is planned in: the parameters' own (see
-        ``ShardDimGroup`` for others)."""
-        return shapes
-
-    def _unsharded_shapes(self) -> tuple[list, list]:
-        """(shapes, strides) of the unsharded parameters' local tensors."""
-        return self.shapes, self.strides
-
-    def _local_shape(self, i: int) -> torch.Size:
-        """This rank's shard of parameter ``i``."""
-        return torch.Size(self.layout.sharded_sizes[i])
-
-    def _sharded_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
-        """The spec of every sharded parameter, one per distinct shape where
-        all are plain."""
-        if self.nd is not None:
-            return [self._spec_of(i, dtype) for i in range(len(self.shapes))]
-        distinct = dict(zip(self.shapes, self.strides, strict=True))  # stride follows shape
-        spec_of = {s: self._specs(s, st, dtype) for s, st in distinct.items()}
-        return list(map(spec_of.__getitem__, self.shapes))
-
-    def _spec_of(self, i: int, dtype: torch.dtype) -> DTensorSpec:
-        """The spec of parameter ``i``'s sharded DTensor (or gradient) in ``dtype``."""
-        nd = self.nd[i] if self.nd is not None else None
-        if nd is not None:
-            return nd.sharded_spec(dtype)
-        return self._specs(self.shapes[i], self.strides[i], dtype)
-
     def _sharded_view(self, local: torch.Tensor, i: int) -> DTensor:
         """A DTensor (not a parameter) over ``local``, this rank's shard of
         parameter ``i``."""
-        return _dtensor(local, self._spec_of(i, local.dtype))
+        return _dtensor(local, self.sharding.spec_of(self, i, local.dtype))
 
     def _sharded_grad_views(self, local: list[torch.Tensor], dtype: torch.dtype) -> list[DTensor]:
         """``_sharded_view`` of each trainable parameter's ``local`` shard (in
@@ -456,21 +388,26 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         layout (a backward makes these views for every parameter)."""
         cached = self._grad_specs
         if cached is None or cached[0] is not self._grad_index or cached[1] != dtype:
-            specs = [self._spec_of(i, dtype) for i in self._grad_index]
+            spec_of = self.sharding.spec_of
+            specs = [spec_of(self, i, dtype) for i in self._grad_index]
             cached = self._grad_specs = (self._grad_index, dtype, specs)
         return list(map(_NEW_GRAD_VIEW, local, cached[2]))
-
-    def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard of every param, viewed in a row-layout buffer."""
-        return _views(buffer, self.layout)
 
     def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every trainable param, viewed in a buffer of the
         gradient layout ([Note: Gradient layout])."""
-        return _views(buffer, self.grad_layout)
+        return self.sharding.grad_views(self, buffer)
+
+    def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
+        """``GradientReduction._reduce_list``, after the gather strategy made
+        subclass gradients plain where it has to."""
+        gather = self.gather
+        if gather.reads_subclass_grads:  # [Note: All-gather extensions]
+            gather.plain_grads(self, grads)
+        GradientReduction._reduce_list(self, grads)
 
     def _make_sharded_params(self, requires_grad: list[bool], views: list[torch.Tensor]) -> None:
-        specs = self._sharded_specs(self.sharded.dtype)
+        specs = self.sharding.sharded_specs(self, self.sharded.dtype)
         self.sharded_params: list[DTensor] = _parameters(views, specs, requires_grad)
         self._keep_grad_dtype()
         self._read_requires_grad()
@@ -564,40 +501,19 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     def adopt_registered(self) -> None:
         """Re-point the group at the registered parameters when something replaced
         them or their data; see [Note: Adopting registered parameters]."""
-        if self.state == ShardedState.UNSHARDED:
-            return  # the unsharded parameters are registered: nothing to adopt
-        current = self.managed.registered()
-        # Device and address: an empty shard (dim 0 below the world size) has
-        # address 0 on every device, as a meta buffer has.
-        buffer = self.sharded
-        buffer_ptr = buffer.untyped_storage().data_ptr()
-        if all(map(operator.is_, current, self.sharded_params)) and all(
-            p._local_tensor.device == buffer.device
-            and p._local_tensor.untyped_storage().data_ptr() == buffer_ptr
-            for p in current
-        ):
-            return
-        self._check_registered_dtensors(current)
-        locals_ = [p._local_tensor for p in current]
-        if any(t.is_meta for t in locals_):
-            return  # not all materialized yet (one module of a group): lazy init checks
-        self._check_adopted(current, locals_)
-        dtype = locals_[0].dtype
-        if dtype != self.orig_dtype:
-            self._set_dtypes(dtype)
-        self._relayout(current, locals_)
-        self.managed.swap(self.sharded_params)
+        self.gather.adopt_registered(self)
 
     def _relayout(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
         """``params`` (with local shards ``locals_``) become the group's sharded
         parameters, their shards copied into a new buffer of the current layout."""
         self.sharded = self._alloc_sharded(self.shard_device)
-        views = self._local_views(self.sharded)
+        views = self.sharding.local_views(self, self.sharded)
         with torch.no_grad():
             torch._foreach_copy_(views, locals_)
+        spec_of = self.sharding.spec_of
         for i, (p, view) in enumerate(zip(params, views, strict=True)):
             p._local_tensor = view
-            p._spec = self._spec_of(i, view.dtype)
+            p._spec = spec_of(self, i, view.dtype)
         self.sharded_params = params
         self._keep_grad_dtype()
         self._read_requires_grad()
@@ -640,15 +556,13 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     @property
     def on_meta(self) -> bool:
         """Some parameter is still on the meta device."""
-        return self.sharded.is_meta or any(
-            p._local_tensor.is_meta for p in self.managed.registered() if isinstance(p, DTensor)
-        )
+        return self.gather.on_meta(self)
 
     def _check_adopted(self, params: list[DTensor], locals_: list[torch.Tensor]) -> None:
         """What ``adopt_registered`` can take: the shapes the group was planned
         for, this rank's shard of each, one dtype."""
         for i, (fqn, p, t) in enumerate(zip(self.managed.fqns, params, locals_, strict=True)):
-            spec = self._spec_of(i, p.dtype)
+            spec = self.sharding.spec_of(self, i, p.dtype)
             shape, stride = spec.tensor_meta.shape, spec.tensor_meta.stride
             if p.shape != shape or tuple(p.stride()) != tuple(stride):
                 raise ValueError(
@@ -656,11 +570,12 @@ class FSDPParamGroup(Unsharding, GradientReduction):
                     f"{tuple(p.shape)} (stride {p.stride()}); it was sharded with shape "
                     f"{tuple(shape)}, stride {tuple(stride)}: load state of the same model"
                 )
-            if tuple(t.shape) != tuple(self._local_shape(i)):
+            local_shape = self.sharding.local_shape(self, i)
+            if tuple(t.shape) != tuple(local_shape):
                 raise ValueError(
                     f"fsdp_rs: parameter {fqn} was replaced by a DTensor whose local shard "
                     f"has shape {tuple(t.shape)}; this rank's shard has shape "
-                    f"{tuple(self._local_shape(i))}: load state sharded over the same mesh and dims"
+                    f"{tuple(local_shape)}: load state sharded over the same mesh and dims"
                 )
         dtypes = {t.dtype for t in locals_}
         if len(dtypes) > 1:
@@ -696,7 +611,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
             )
         offsets = plan.unsharded_offsets.tolist()
         storage = self.unsharded.untyped_storage()
-        shapes, strides = self._unsharded_shapes()
+        shapes, strides = self.sharding.unsharded_shapes(self)
         self.unsharded_params = [
             nn.Parameter(alias_storage(storage, self.unsharded, off, s, st), requires_grad=rg)
             for off, s, st, rg in zip(offsets, shapes, strides, self.requires_grad, strict=True)

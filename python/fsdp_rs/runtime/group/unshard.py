@@ -1,20 +1,8 @@
 """The unshard and reshard transitions of a parameter group, and the
-``ShardedState`` they move between.
-
-Unshard = copy-in (where a cast or a host-to-device copy is needed) and the
-all-gather, started by ``unshard``; the copy-out into the unsharded buffer and
-the registration of the unsharded parameters, by ``wait_for_unshard``. Reshard
-frees the unsharded buffer with one storage resize and registers the sharded
-parameters again; after forward with ``reshard_after_forward=int`` it keeps
-this rank's rows for the smaller all-gather in backward. Which streams each
-step runs on: [Note: Streams].
-
-Memory is freed where FSDP2 frees it or earlier: the all-gather output right
-after the copy-out, except in forward with ``reshard_after_forward=int``, where
-the post-forward rows are cloned from it at the reshard (FSDP2 keeps its
-forward all-gather outputs until the next group's copy-out); the post-forward
-rows once the collective read them (on CPU without a work object; else at the
-copy-out, as FSDP2).
+``ShardedState`` they move between. What they do to the local shards is the
+group's gather strategy (``runtime/group/gather.py``); ``Unsharding`` holds
+what every strategy shares: the checks that skip a call with nothing to do,
+the wait for an unshard in flight, prefetching.
 
 [Note: Outside functorch]
 Inside a torch.func transform (``jvp``, ``vmap``, ``grad``) tensors made by a
@@ -34,8 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits
-from fsdp_rs.runtime.comm.collectives import all_gather
 from fsdp_rs.runtime.comm.mesh import MeshInfo, per_mesh
 from fsdp_rs.runtime.step.training_state import in_autograd_backward
 
@@ -121,10 +107,10 @@ def outside_functorch(method: Callable) -> Callable:
 
 class Unsharding:
     """Mixed into ``FSDPParamGroup``: the SHARDED / UNSHARDED /
-    SHARDED_POST_FORWARD transitions over the group's buffers.
+    SHARDED_POST_FORWARD transitions, which run the group's gather strategy
+    (``group.gather``, a ``GatherStrategy``).
 
-    Uses the group's plan, tables, ops, mesh info, dtypes, streams, managed
-    parameters and the unsharded buffer and parameters it made."""
+    Uses the group's state, streams, flags and the unsharded buffer it made."""
 
     def _free_unsharded(self) -> None:
         if not self.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
@@ -166,77 +152,8 @@ class Unsharding:
         collective); ``wait_for_unshard`` finishes it (copy-out). A no-op when
         unsharded or already started. ``side_streams``: called by a hook, run on
         the all-gather streams (see [Note: Streams])."""
-        if not self._unshard_needed():
-            return
-        if self.unsharded_params is None or self.trainable_set_changed():
-            with torch.inference_mode(False):  # [Note: Made outside inference mode]
-                self._make_unsharded_params()
-        streams = self.streams
-        # Rows kept at a post-forward reshard were written on the compute stream.
-        streams.all_gather_streams_wait(self._post_forward_event)
-        self._post_forward_event = None
-        copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
-        info = self.info
-        group = info.shard_group
-        # No autograd context needed: none of these buffers requires grad.
-        if self.state == ShardedState.SHARDED_POST_FORWARD:
-            source, ag = self._post_forward_rows, None
-            self._post_forward_rows = None
-            group = self.post_forward_group
-        else:
-            source, ag = self.sharded, None
-            with streams.on(copy_in_stream):
-                if self.offload_to_cpu and source.dtype == self.param_dtype:
-                    # [Note: Offloaded shards] the host shard goes straight into
-                    # this rank's row of the all-gather output, the collective's
-                    # input in place: no device copy of the shard is made. (As
-                    # the all-gather input, such a copy lived until the copy-out,
-                    # a shard above FSDP2 at the peak: FSDP2 frees its copy after
-                    # its copy-in.) Chosen by the policy, not by device, so that
-                    # CPU runs take it too.
-                    ag = self._all_gather_output()
-                    ag[info.shard_rank].copy_(source, non_blocking=True)
-                    source = ag[info.shard_rank]
-                elif source.device != self.device:  # CPU offload with a cast
-                    source = source.to(self.device, non_blocking=True)
-                if source.dtype != self.param_dtype and source.dtype not in FLOAT_DTYPES:
-                    # float8 under a param_dtype: the copy kernels have no float8
-                    # arithmetic; torch casts it (as FSDP2 does), then no cast is left
-                    source = source.to(self.param_dtype)
-                if source.dtype != self.param_dtype:  # one launch: the cast
-                    ag = self._all_gather_output()
-                    self.ops.all_gather_copy_in(source, ag, info.shard_rank)
-                    source = ag[info.shard_rank]
-                # else no cast to fuse: the sharded buffer (row layout) is the
-                # all-gather input as it is
-            if ag_stream is not None:
-                ag_stream.wait_stream(copy_in_stream)
-        comm = self.all_gather_comm  # [Note: Comm objects]
-        with streams.on(ag_stream):
-            work = None
-            if comm is not None and info.shard_size > 1:  # one rank: none, as FSDP2
-                ag = self._all_gather_output() if ag is None else ag
-                work = comm(
-                    output_tensor=ag.view(-1),
-                    input_tensor=source.view(-1),
-                    group=group,
-                    async_op=async_op,
-                )
-            elif info.shard_size > 1:
-                ag = self._all_gather_output() if ag is None else ag
-                # bytes are bytes: a dtype the backend may not know (float8 or bool
-                # on gloo) goes as its same-width integers ([Note: Raw copies])
-                out, inp = bits(ag.view(-1)), bits(source.view(-1))
-                work = all_gather(out, inp, group=group, async_op=async_op)
-            elif ag is None:
-                ag = source.view(1, -1)  # one rank: its row is the whole output
-            event = streams.record(ag_stream)
-        work = work if async_op else None
-        if work is None and not streams.enabled:
-            # The collective is done with its input: drop the post-forward rows
-            # now, not at the copy-out (on streams they live until it, as in FSDP2).
-            source = None
-        self._pending_unshard = (work, ag, event, source)
+        if self._unshard_needed():
+            self.gather.unshard(self, async_op, side_streams)
 
     @outside_functorch
     def prefetch(self) -> None:
@@ -244,19 +161,6 @@ class Unsharding:
         there are streams (unless ``_set_unshard_async_op(True)``), else with an
         asynchronous collective."""
         self.unshard(async_op=self.unshard_async_op or not self.streams.enabled, side_streams=True)
-
-    def _all_gather_output(self) -> torch.Tensor:
-        rows, row = self.info.shard_size, self.plan.row_numel
-        if self.all_gather_comm is None:
-            return torch.empty(rows, row, dtype=self.param_dtype, device=self.device)
-        flat = self.all_gather_comm.allocate(
-            (rows * row,), dtype=self.param_dtype, device=self.device
-        )
-        return flat.view(rows, row)
-
-    def _copy_out(self, ag: torch.Tensor) -> None:
-        """The all-gather output's rows into the unsharded buffer."""
-        self.ops.all_gather_copy_out(ag, [self.unsharded], *self.tables.copy_out_args())
 
     def _await_unshard(self, defer_release: bool = False) -> tuple:
         """Take the unshard in flight (starting one if none is) and wait for its
@@ -279,21 +183,8 @@ class Unsharding:
         copy out, register the unsharded parameters. ``defer_release``: in
         forward, keep the all-gather output until the next group's wait (see
         [Note: Cross-stream lifetimes])."""
-        if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
-            return
-        work, ag, _, source = self._await_unshard(defer_release)
-        streams = self.streams
-        self._alloc_unsharded()
-        self._copy_out(ag)
-        # Rows for a post-forward reshard: only outside backward, which reshards to
-        # SHARDED; in backward the all-gather output is freed now, as FSDP2 frees it.
-        if self.post_forward_group is not None and not in_autograd_backward():
-            size = self.info.shard_size // self.post_forward_size
-            first = (self.info.shard_rank % self.post_forward_size) * size
-            self._ag_rows = (ag, first, size)
-        streams.release_after((ag, source), streams.record(), defer_release and work is None)
-        self.state = ShardedState.UNSHARDED
-        self.managed.swap(self.unsharded_params)
+        if self.state != ShardedState.UNSHARDED or self._pending_unshard is not None:
+            self.gather.wait_for_unshard(self, defer_release)
 
     # --------------------------------------------------------------- reshard
 
@@ -306,24 +197,6 @@ class Unsharding:
 
     @outside_functorch
     def reshard(self, after_forward: bool = False) -> None:
-        if self._pending_unshard is not None:
-            self.wait_for_unshard()
-        if self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
-            self._post_forward_rows = None
-            self._post_forward_event = None
-            self.state = ShardedState.SHARDED
-        if self.state != ShardedState.UNSHARDED:
-            return
-        keep_rows = after_forward and self._ag_rows is not None
-        if keep_rows:
-            ag, first, size = self._ag_rows
-            self._post_forward_rows = ag[first : first + size].clone()
-            # The clone read the all-gather output on the compute stream: release
-            # it after that, and the next unshard reads the rows after it too.
-            self._post_forward_event = self.streams.record()
-            self.streams.release_after((ag,), self._post_forward_event, defer=True)
-        self._ag_rows = None
-        self._keep_user_flags(after_forward)
-        self._free_unsharded()
-        self.state = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
-        self.managed.swap(self.sharded_params)
+        """Back to SHARDED (finishing an unshard in flight first); after forward
+        with ``reshard_after_forward=int``, to SHARDED_POST_FORWARD."""
+        self.gather.reshard(self, after_forward)

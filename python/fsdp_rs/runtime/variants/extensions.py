@@ -16,24 +16,26 @@ the module that registers the parameter, the all-gather outputs are kept
 across unshards (their storage freed and re-allocated, so an unsharded tensor
 that aliases them stays valid) and passed as ``(world * rows, *rest)``.
 
-Such a group (``ExtensionParamGroup``) cannot use the row-layout buffers: the
-local shards are the user's tensors (a subclass's chunks, kept as FSDP2 keeps
-them) and the all-gather inputs are whatever the extension returns. So its
-unshard is per parameter around one collective: every input is packed into
-one byte buffer (dtypes may differ) and all-gathered once, then copied out to
-its parameter's outputs. Parameters of the group without an extension take
-FSDP2's default there (their padded shard, cast to the parameter dtype). The
-gradient side is the group's own (``GradientReduction``), planned over the
-parameters' shapes: a gradient that is itself a subclass is read into a plain
-tensor first, by its own dispatch, and the sharded ``.grad``s are plain
-DTensors, as FSDP2's. Gradients are not pre-placed ([Note: Pre-placed
-gradients]): a plain alias cannot stand for a subclass's gradient.
+Such a group (its gather strategy an ``ExtensionGather``) cannot use the
+row-layout buffers: the local shards are the user's tensors (a subclass's
+chunks, kept as FSDP2 keeps them) and the all-gather inputs are whatever the
+extension returns. So its unshard is per parameter around one collective:
+every input is packed into one byte buffer (dtypes may differ) and
+all-gathered once, then copied out to its parameter's outputs. Parameters of
+the group without an extension take FSDP2's default there (their padded shard,
+cast to the parameter dtype). The gradient side is the group's own
+(``GradientReduction``), planned over the parameters' shapes: a gradient that
+is itself a subclass is read into a plain tensor first, by its own dispatch,
+and the sharded ``.grad``s are plain DTensors, as FSDP2's. Gradients are not
+pre-placed ([Note: Pre-placed gradients]): a plain alias cannot stand for a
+subclass's gradient.
 
 A subclass is recognised at ``fully_shard`` (its parameters form a group of
 their own, [Note: One group per dtype]); methods set on a local shard after
 ``fully_shard`` (FSDP2's test patches them after ``to_empty``) are found at
-lazy init, where the group becomes an ``ExtensionParamGroup`` in place (the
-same object: the state, the bundle and the flags set on it stay valid).
+lazy init, where the group's gather strategy becomes an ``ExtensionGather``
+(``become_extension_group``: the same object, so the state, the bundle and the
+flags set on it stay valid).
 ``reshard_after_forward=int`` reshards such a group fully after forward: FSDP2
 has no post-forward shard of an extension's outputs either. Under
 ``set_fullgraph_compile`` the same steps are traced ([Note: Extensions under
@@ -67,16 +69,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.comm.collectives import all_gather
+from fsdp_rs.runtime.group.gather import GatherStrategy
 from fsdp_rs.runtime.group.grad_state import Accumulated
 from fsdp_rs.runtime.group.param_group import FSDPParamGroup
 from fsdp_rs.runtime.group.params import alias_storage
-from fsdp_rs.runtime.group.unshard import ShardedState, outside_functorch
+from fsdp_rs.runtime.group.unshard import ShardedState
 from fsdp_rs.runtime.variants.bundle import GroupBundle
 
 __all__ = [
     "POST_ALL_GATHER",
     "PRE_ALL_GATHER",
-    "ExtensionParamGroup",
+    "ExtensionGather",
+    "become_extension_group",
     "check_extensions",
     "has_extension",
     "plain_grad",
@@ -137,26 +141,54 @@ def plain_grad(grad: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
-class ExtensionParamGroup(FSDPParamGroup):
-    """A parameter group whose parameters (some or all) use all-gather
-    extensions; see [Note: All-gather extensions]."""
+def _dtype_carrier(group, locals_: list[torch.Tensor]) -> torch.Tensor:
+    """``group.sharded`` of an extension group: no data (the local shards hold
+    it), only the dtype and device the gradient side reads."""
+    device = locals_[0].device if locals_ else group.shard_device
+    return torch.empty(0, dtype=group.orig_dtype, device=device)
 
+
+def _padded(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """This rank's rows ``t`` padded with zero rows to ``chunk``."""
+    t = t.contiguous()
+    if t.size(0) == chunk:
+        return t
+    padded = t.new_zeros((chunk, *t.shape[1:]))
+    padded.narrow(0, 0, t.size(0)).copy_(t)
+    return padded
+
+
+class ExtensionGather(GatherStrategy):
+    """The gather strategy of a group whose parameters (some or all) use
+    all-gather extensions; see [Note: All-gather extensions]. One per group: it
+    keeps the all-gather outputs and the tensors to free at reshard."""
+
+    preplaces_grads = False  # a plain alias cannot stand for a subclass's gradient
     adopts_grad_dtypes = False  # its shards are the extensions' own tensors
+    reads_subclass_grads = True
 
-    def _init_gradients(self) -> None:
-        super()._init_gradients()
-        self.preplace_grads = False
+    def __init__(self) -> None:
+        self.outputs: list[list[torch.Tensor]] = []  # per param, kept across unshards
+        self.inner: list[list[torch.Tensor]] = []  # per param, freed at reshard
+        self.owners: list[nn.Module] | None = None
+
+    def reset_unsharded(self, group) -> None:
+        """The unsharded parameters are made again at the next unshard."""
+        group.unsharded_params = None
+        self.outputs = []
+        self.inner = []
+        self.owners = None
 
     # ------------------------------------------------------------------ init
 
-    def _build_sharded(self, params: list[nn.Parameter]) -> None:
+    def build_sharded(self, group, params: list[nn.Parameter]) -> None:
         """Each local shard is this rank's chunk of the parameter, made by the
         parameter's own type (a subclass stays one) with FSDP2's operations
         only: ``torch.chunk``, a zero padded chunk, ``narrow`` + ``copy_``
         into it and ``narrow`` back ([Note: Sharded and gathered as FSDP2])."""
-        rank, world = self.info.shard_rank, self.info.shard_size
-        chunk_rows = self.plan.chunk_rows.tolist()
-        sharded_rows = self.plan.sharded_rows.tolist()
+        rank, world = group.info.shard_rank, group.info.shard_size
+        chunk_rows = group.plan.chunk_rows.tolist()
+        sharded_rows = group.plan.sharded_rows.tolist()
         locals_ = []
         with torch.no_grad():
             for p, chunk, rows in zip(params, chunk_rows, sharded_rows, strict=True):
@@ -164,201 +196,156 @@ class ExtensionParamGroup(FSDPParamGroup):
                 padded = data.new_zeros((chunk, *data.shape[1:]))
                 if rows:
                     padded.narrow(0, 0, rows).copy_(torch.chunk(data, world, dim=0)[rank])
-                if self.offload_to_cpu and not padded.is_meta:
+                if group.offload_to_cpu and not padded.is_meta:
                     padded = padded.cpu()
-                    if self.pin_memory:
+                    if group.pin_memory:
                         padded = padded.pin_memory()
                 locals_.append(padded.narrow(0, 0, rows))
-        self.sharded = self._dtype_carrier(locals_)
-        self._make_sharded_params(self.requires_grad, locals_)
-        self.managed.swap(self.sharded_params)
-        self._reset_unsharded()
+        group.sharded = _dtype_carrier(group, locals_)
+        group._make_sharded_params(group.requires_grad, locals_)
+        group.managed.swap(group.sharded_params)
+        self.reset_unsharded(group)
 
-    def _dtype_carrier(self, locals_: list[torch.Tensor]) -> torch.Tensor:
-        """``self.sharded`` of this group: no data (the local shards hold it), only
-        the dtype and device the gradient side reads."""
-        device = locals_[0].device if locals_ else self.shard_device
-        return torch.empty(0, dtype=self.orig_dtype, device=device)
-
-    def _reset_unsharded(self) -> None:
-        self.unsharded_params = None
-        self._outputs: list[list[torch.Tensor]] = []  # per param, kept across unshards
-        self._inner: list[list[torch.Tensor]] = []  # per param, freed at reshard
-        self._owners: list[nn.Module] | None = None
-
-    def become_extension_group(self) -> None:
-        """A plain group whose local shards gained extensions after
-        ``fully_shard``: the same object, now this class; the shards stay where
-        they are (views of the old sharded buffer, which they keep alive)."""
-        if self.nd is not None:
-            found = [i for i, p in enumerate(self.sharded_params) if has_extension(p._local_tensor)]
-            refuse_on_dtensor(self.managed.fqns[found[0]])
-        if self.state != ShardedState.SHARDED or self._pending_unshard is not None:
-            self.reshard()
-        self.state = ShardedState.SHARDED
-        self._post_forward_rows = self._post_forward_event = None
-        if self.unsharded_params is not None and self._placed:
-            self._free_grad_buffer()
-        self.__class__ = ExtensionParamGroup
-        self.preplace_grads = False
-        self.sharded = self._dtype_carrier([p._local_tensor for p in self.sharded_params])
-        self._reset_unsharded()
-
-    def check_pairs(self) -> None:
-        for fqn, p in zip(self.managed.fqns, self.managed.registered(), strict=True):
+    def check_pairs(self, group) -> None:
+        for fqn, p in zip(group.managed.fqns, group.managed.registered(), strict=True):
             if isinstance(p, DTensor):
                 _check_pair(fqn, p._local_tensor)
 
-    @property
-    def on_meta(self) -> bool:
+    def on_meta(self, group) -> bool:
         return any(
-            p._local_tensor.is_meta for p in self.managed.registered() if isinstance(p, DTensor)
+            p._local_tensor.is_meta for p in group.managed.registered() if isinstance(p, DTensor)
         )
 
-    def adopt_registered(self) -> None:
+    def adopt_registered(self, group) -> None:
         """FSDP2's re-reading of the registered parameters: the local shards are
         read at each unshard, so only new objects or a new dtype matter here;
         see [Note: Adopting registered parameters]."""
-        if self.state == ShardedState.UNSHARDED:
+        if group.state == ShardedState.UNSHARDED:
             return
-        current = self.managed.registered()
-        self._check_registered_dtensors(current)
+        current = group.managed.registered()
+        group._check_registered_dtensors(current)
         locals_ = [p._local_tensor for p in current]
         if any(t.is_meta for t in locals_):
             return
-        self._check_adopted(current, locals_)
-        changed = any(a is not b for a, b in zip(current, self.sharded_params, strict=True))
-        if locals_[0].dtype != self.orig_dtype:
-            self._set_dtypes(locals_[0].dtype)
+        group._check_adopted(current, locals_)
+        changed = any(a is not b for a, b in zip(current, group.sharded_params, strict=True))
+        if locals_[0].dtype != group.orig_dtype:
+            group._set_dtypes(locals_[0].dtype)
             changed = True
-        if self.sharded.device != locals_[0].device or self.sharded.dtype != self.orig_dtype:
-            self.sharded = self._dtype_carrier(locals_)
+        if group.sharded.device != locals_[0].device or group.sharded.dtype != group.orig_dtype:
+            group.sharded = _dtype_carrier(group, locals_)
         if changed:
-            self.sharded_params = current
-            self._keep_grad_dtype()
-            self._read_requires_grad()
-            self._reset_unsharded()
-            self.managed.swap(self.sharded_params)
+            group.sharded_params = current
+            group._keep_grad_dtype()
+            group._read_requires_grad()
+            self.reset_unsharded(group)
+            group.managed.swap(group.sharded_params)
 
     # --------------------------------------------------------------- unshard
 
-    def _owner_modules(self) -> list[nn.Module]:
+    def _owner_modules(self, group) -> list[nn.Module]:
         """The module registering each parameter (FSDP2 passes it to the
         pre-all-gather)."""
-        if self._owners is None:
+        if self.owners is None:
             by_dict = {}
-            for root in self.modules:
+            for root in group.modules:
                 for m in root.modules():
                     by_dict.setdefault(id(m._parameters), m)
             first: dict[int, nn.Module] = {}
-            for d, i in zip(self.managed.slot_dicts, self.managed.slot_index, strict=True):
+            for d, i in zip(group.managed.slot_dicts, group.managed.slot_index, strict=True):
                 first.setdefault(i, by_dict.get(id(d)))
-            self._owners = [first[i] for i in range(len(self.shapes))]
-        return self._owners
+            self.owners = [first[i] for i in range(len(group.shapes))]
+        return self.owners
 
-    def _inputs_of(self, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
+    def inputs_of(self, group, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
         """Parameter ``i``'s all-gather inputs (contiguous, of any shape) and
         metadata."""
-        if local.device != self.device:  # CPU offload
-            local = local.to(self.device, non_blocking=True)
+        if local.device != group.device:  # CPU offload
+            local = local.to(group.device, non_blocking=True)
         pre = getattr(local, PRE_ALL_GATHER, None)
         if pre is None:  # FSDP2's default: the padded shard in the parameter dtype
-            return [self._padded(local.to(self.param_dtype), chunk)], None
+            return [_padded(local.to(group.param_dtype), chunk)], None
         arity = len(inspect.signature(pre).parameters)
         if arity == 1:
-            inputs, metadata = pre(self.info.shard_mesh)
+            inputs, metadata = pre(group.info.shard_mesh)
         elif arity == 5:
-            owner = self._owner_modules()[i]
+            owner = self._owner_modules(group)[i]
             inputs, metadata = pre(
-                self.info.shard_mesh, self.shapes[i], self.strides[i], owner, self.mp_policy
+                group.info.shard_mesh, group.shapes[i], group.strides[i], owner, group.mp_policy
             )
         else:
             raise TypeError(
-                f"fsdp_rs: {PRE_ALL_GATHER} of parameter {self.managed.fqns[i]} takes {arity} "
+                f"fsdp_rs: {PRE_ALL_GATHER} of parameter {group.managed.fqns[i]} takes {arity} "
                 "arguments; it must be fsdp_pre_all_gather(mesh) or fsdp_pre_all_gather(mesh, "
                 "outer_size, outer_stride, module, mp_policy)"
             )
         # [Note: Sharded and gathered as FSDP2]
         uneven = local.dim() > 0 and local.size(0) != chunk
         return [
-            self._padded(t, chunk) if uneven and _rows_of(t, local) else t.contiguous()
-            for t in inputs
+            _padded(t, chunk) if uneven and _rows_of(t, local) else t.contiguous() for t in inputs
         ], metadata
 
-    @staticmethod
-    def _padded(t: torch.Tensor, chunk: int) -> torch.Tensor:
-        """This rank's rows ``t`` padded with zero rows to ``chunk``."""
-        t = t.contiguous()
-        if t.size(0) == chunk:
-            return t
-        padded = t.new_zeros((chunk, *t.shape[1:]))
-        padded.narrow(0, 0, t.size(0)).copy_(t)
-        return padded
-
-    @outside_functorch
-    def unshard(self, async_op: bool = False, side_streams: bool = False) -> None:
-        if not self._unshard_needed():
-            return
-        if self.trainable_set_changed():  # [Note: Trainable set changes]
-            self._reset_unsharded()  # the first wait after it reads requires_grad again
-        streams, info = self.streams, self.info
+    def unshard(self, group, async_op: bool, side_streams: bool) -> None:
+        if group.trainable_set_changed():  # [Note: Trainable set changes]
+            self.reset_unsharded(group)  # the first wait after it reads requires_grad again
+        streams, info = group.streams, group.info
         copy_in_stream, ag_stream = streams.all_gather_streams(side_streams and not async_op)
-        chunk_rows = self.plan.chunk_rows.tolist()
+        chunk_rows = group.plan.chunk_rows.tolist()
         with streams.on(copy_in_stream), torch.no_grad():
             per_param = [
-                self._inputs_of(i, p._local_tensor, chunk)
-                for i, (p, chunk) in enumerate(zip(self.sharded_params, chunk_rows, strict=True))
+                self.inputs_of(group, i, p._local_tensor, chunk)
+                for i, (p, chunk) in enumerate(zip(group.sharded_params, chunk_rows, strict=True))
             ]
             inputs = [t for ins, _ in per_param for t in ins]
             # One byte buffer: the inputs may have several dtypes.
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
         if ag_stream is not None:
             ag_stream.wait_stream(copy_in_stream)
-        comm = self.all_gather_comm  # [Note: Comm objects]
+        comm = group.all_gather_comm  # [Note: Comm objects]
         work = None
         with streams.on(ag_stream):
             if comm is not None and info.shard_size > 1:  # one rank: none, as FSDP2
                 out = comm.allocate(
-                    (info.shard_size * flat.numel(),), dtype=torch.uint8, device=self.device
+                    (info.shard_size * flat.numel(),), dtype=torch.uint8, device=group.device
                 )
                 work = comm(
                     output_tensor=out, input_tensor=flat, group=info.shard_group, async_op=async_op
                 )
             elif info.shard_size > 1:
                 out = torch.empty(
-                    info.shard_size * flat.numel(), dtype=torch.uint8, device=self.device
+                    info.shard_size * flat.numel(), dtype=torch.uint8, device=group.device
                 )
                 work = all_gather(out, flat, group=info.shard_group, async_op=async_op)
             else:
                 out = flat
             event = streams.record(ag_stream)
-        self._pending_unshard = (work if async_op else None, out, event, flat, per_param)
+        group._pending_unshard = (work if async_op else None, out, event, flat, per_param)
 
-    @outside_functorch
-    def wait_for_unshard(self, defer_release: bool = False) -> None:
-        if self.state == ShardedState.UNSHARDED and self._pending_unshard is None:
-            return
-        work, out, _, flat, per_param = self._await_unshard(defer_release)
-        streams = self.streams
-        world = self.info.shard_size
+    def wait_for_unshard(self, group, defer_release: bool) -> None:
+        work, out, _, flat, per_param = group._await_unshard(defer_release)
+        streams = group.streams
+        world = group.info.shard_size
         gathered = out.view(world, -1)
-        first = self.unsharded_params is None
+        first = group.unsharded_params is None
         # [Note: Made outside inference mode] (runtime/group/unshard.py): the buffers and
         # parameters made at the first unshard
         made_here = torch.inference_mode(False) if first else contextlib.nullcontext()
         with made_here:
             if first:
-                self._read_requires_grad()
-                self._outputs = [
-                    [torch.empty(world * t.numel(), dtype=t.dtype, device=self.device) for t in ins]
+                group._read_requires_grad()
+                self.outputs = [
+                    [
+                        torch.empty(world * t.numel(), dtype=t.dtype, device=group.device)
+                        for t in ins
+                    ]
                     for ins, _ in per_param
                 ]
-                self._inner = [[] for _ in per_param]
+                self.inner = [[] for _ in per_param]
                 params: list[nn.Parameter] = []
             offset = 0
             with torch.no_grad():
                 for i, (inputs, metadata) in enumerate(per_param):
-                    outputs = self._outputs[i]
+                    outputs = self.outputs[i]
                     for t, o in zip(inputs, outputs, strict=True):
                         nbytes = t.numel() * t.element_size()
                         _alloc(o)
@@ -370,72 +357,91 @@ class ExtensionParamGroup(FSDPParamGroup):
                     unflat = tuple(
                         o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
                     )
-                    local = self.sharded_params[i]._local_tensor
+                    local = group.sharded_params[i]._local_tensor
                     post = getattr(local, POST_ALL_GATHER, None)
                     if first:
-                        params.append(self._new_unsharded(i, post, unflat, metadata))
+                        params.append(self._new_unsharded(group, i, post, unflat, metadata))
                     elif post is not None:
-                        for t in self._inner[i]:
+                        for t in self.inner[i]:
                             _alloc(t)
-                        post(unflat, metadata, self.param_dtype, out=self.unsharded_params[i])
+                        post(unflat, metadata, group.param_dtype, out=group.unsharded_params[i])
         if first:
-            self.unsharded_params = params
-            self._unsharded_with_grad = [params[i] for i in self._grad_index]
-            self._fix_grad_dtypes()
-            self._widened = self._unsharded_with_grad
+            group.unsharded_params = params
+            group._unsharded_with_grad = [params[i] for i in group._grad_index]
+            group._fix_grad_dtypes()
+            group._widened = group._unsharded_with_grad
         streams.release_after((out, flat), streams.record(), defer_release and work is None)
-        self.state = ShardedState.UNSHARDED
-        self.managed.swap(self.unsharded_params)
+        group.state = ShardedState.UNSHARDED
+        group.managed.swap(group.unsharded_params)
 
-    def _new_unsharded(self, i: int, post, unflat: tuple, metadata) -> nn.Parameter:
-        shape, stride, rg = self.shapes[i], self.strides[i], self.requires_grad[i]
+    def _new_unsharded(self, group, i: int, post, unflat: tuple, metadata) -> nn.Parameter:
+        shape, stride, rg = group.shapes[i], group.strides[i], group.requires_grad[i]
         if post is None:  # the all-gather output is the parameter's data
-            out = self._outputs[i][0]
+            out = self.outputs[i][0]
             return nn.Parameter(alias_storage(out.untyped_storage(), out, 0, shape, stride), rg)
-        result = post(unflat, metadata, self.param_dtype)
+        result = post(unflat, metadata, group.param_dtype)
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(
-                f"fsdp_rs: {POST_ALL_GATHER} of parameter {self.managed.fqns[i]} returned "
+                f"fsdp_rs: {POST_ALL_GATHER} of parameter {group.managed.fqns[i]} returned "
                 f"{type(result).__name__}; called without out=, it must return "
                 "(unsharded_tensor, tensors_to_free)"
             )
         tensor, to_free = result
-        self._inner[i] = list(to_free)
+        self.inner[i] = list(to_free)
         return nn.Parameter(torch.as_strided(tensor, shape, stride, 0), rg)
 
     # --------------------------------------------------------------- reshard
 
-    @outside_functorch
-    def reshard(self, after_forward: bool = False) -> None:
-        if self._pending_unshard is not None:
-            self.wait_for_unshard()
-        if self.state != ShardedState.UNSHARDED:
+    def reshard(self, group, after_forward: bool) -> None:
+        if group._pending_unshard is not None:
+            group.wait_for_unshard()
+        if group.state != ShardedState.UNSHARDED:
             return
-        self._keep_user_flags(after_forward)
-        if not self.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
-            for t in itertools.chain(*self._outputs, *self._inner):
+        group._keep_user_flags(after_forward)
+        if not group.keep_unsharded_storage:  # set_keep_unsharded_storage(True): kept
+            for t in itertools.chain(*self.outputs, *self.inner):
                 _free(t)
-        self.state = ShardedState.SHARDED
-        self.managed.swap(self.sharded_params)
+        group.state = ShardedState.SHARDED
+        group.managed.swap(group.sharded_params)
 
     # ------------------------------------------------------------- gradients
 
-    def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
+    def plain_grads(self, group, grads: list[torch.Tensor | None]) -> None:
         grads[:] = map(plain_grad, grads)
-        accumulated = self._unsynced  # [Note: Unreduced gradients]
+        accumulated = group._unsynced  # [Note: Unreduced gradients]
         if isinstance(accumulated, Accumulated):
             accumulated.grads = list(map(plain_grad, accumulated.grads))
-        super()._reduce_list(grads)
+
+
+def become_extension_group(group: FSDPParamGroup) -> None:
+    """A plain group whose local shards gained extensions after
+    ``fully_shard``: the same object, now gathered by an ``ExtensionGather``;
+    the shards stay where they are (views of the old sharded buffer, which
+    they keep alive)."""
+    if group.nd is not None:
+        found = [i for i, p in enumerate(group.sharded_params) if has_extension(p._local_tensor)]
+        refuse_on_dtensor(group.managed.fqns[found[0]])
+    if group.state != ShardedState.SHARDED or group._pending_unshard is not None:
+        group.reshard()
+    group.state = ShardedState.SHARDED
+    group._post_forward_rows = group._post_forward_event = None
+    if group.unsharded_params is not None and group._placed:
+        group._free_grad_buffer()
+    gather = ExtensionGather()
+    group.gather = gather
+    group.preplace_grads = False
+    group.sharded = _dtype_carrier(group, [p._local_tensor for p in group.sharded_params])
+    gather.reset_unsharded(group)
 
 
 def check_extensions(group: FSDPParamGroup | GroupBundle) -> None:
     """At lazy init: a plain group whose local shards gained all-gather
-    extensions since ``fully_shard`` becomes an ``ExtensionParamGroup``; an
-    extension group's shards must define both hooks ([Note: All-gather
-    extensions])."""
+    extensions since ``fully_shard`` becomes an extension group
+    (``become_extension_group``); an extension group's shards must define both
+    hooks ([Note: All-gather extensions])."""
     for member in group.groups if isinstance(group, GroupBundle) else (group,):
-        if not isinstance(member, ExtensionParamGroup):
+        if not isinstance(member.gather, ExtensionGather):
             if not member.gained_extension():
                 continue
-            ExtensionParamGroup.become_extension_group(member)
-        member.check_pairs()
+            become_extension_group(member)
+        member.gather.check_pairs(member)

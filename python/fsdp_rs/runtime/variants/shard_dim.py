@@ -21,6 +21,10 @@ that reads and writes each element once (FSDP2 all-gathers into a temporary
 and chunk-concatenates it: one read and write more). The pre-placed gradient
 buffer is not used for such a group: its layout would be the permuted one.
 After forward, a group with ``reshard_after_forward=int`` reshards fully.
+
+All of this is the group's sharding strategy, ``DimSharding`` (the
+``Sharding`` interface of ``runtime/group/sharding.py``); ``ShardDimGroup`` is
+an ``FSDPParamGroup`` built with one, and adds nothing else.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_rs.runtime.api.errors import FSDPUsageError
 from fsdp_rs.runtime.group.param_group import FSDPParamGroup
+from fsdp_rs.runtime.group.sharding import Sharding
 
-__all__ = ["ShardDimGroup", "check_shard_dim"]
+__all__ = ["DimSharding", "ShardDimGroup", "check_shard_dim"]
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -64,24 +69,26 @@ def check_shard_dim(fqn: str, shape: torch.Size, dim: int, world: int) -> int:
     return dim
 
 
-class ShardDimGroup(FSDPParamGroup):
-    """A group whose parameters FSDP shards on ``dims[i] > 0``; see [Note:
-    Sharding on another dim]."""
+class DimSharding(Sharding):
+    """Parameters FSDP shards on ``dims[i] > 0``, planned as ``(W, numel / W)``
+    rows; see [Note: Sharding on another dim]. One per group: it keeps the full
+    and local shapes and its caches of specs and chunk tables."""
 
-    def __init__(self, *args, dims: list[int], **kwargs) -> None:
+    preplaces_grads = False  # the gradient buffer's layout would be the permuted one
+
+    def __init__(self, dims: list[int]) -> None:
         self.dims = dims
-        self._dim_specs: dict = {}  # (param, dtype) -> DTensorSpec
+        self._specs: dict = {}  # (param, dtype) -> DTensorSpec
         self._chunk_tables: dict = {}  # params (None: all) -> chunk_numel table
-        super().__init__(*args, **kwargs)
+        self.full_shapes: list[torch.Size] = []
+        self.local_shapes: list[torch.Size] = []
+        self._pre_len: list[tuple[int, int]] = []  # (pre, L) per parameter
 
-    def _sharded_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
-        return [self._spec_of(i, dtype) for i in range(len(self.full_shapes))]
-
-    def _planned_shapes(self, shapes: list[torch.Size]) -> list[torch.Size]:
-        world = self.info.shard_size
+    def planned_shapes(self, group, shapes: list[torch.Size]) -> list[torch.Size]:
+        world = group.info.shard_size
         self.full_shapes = list(shapes)
         self.local_shapes = []
-        self._pre_len = []  # (pre, L) per parameter
+        self._pre_len = []
         for shape, d in zip(shapes, self.dims, strict=True):
             local = list(shape)
             local[d] //= world
@@ -89,72 +96,78 @@ class ShardDimGroup(FSDPParamGroup):
             self._pre_len.append((math.prod(shape[:d]), local[d] * math.prod(shape[d + 1 :])))
         return [torch.Size((world, math.prod(s) // world)) for s in shapes]
 
-    def _init_gradients(self) -> None:
-        super()._init_gradients()
-        self.preplace_grads = False
+    def unsharded_shapes(self, group) -> tuple[list, list]:
+        return self.full_shapes, list(map(_contiguous, self.full_shapes))
 
-    def _spec_of(self, i: int, dtype: torch.dtype) -> DTensorSpec:
-        nd = self.nd[i] if self.nd is not None else None
+    def local_shape(self, group, i: int) -> torch.Size:
+        return self.local_shapes[i]
+
+    def spec_of(self, group, i: int, dtype: torch.dtype) -> DTensorSpec:
+        nd = group.nd[i] if group.nd is not None else None
         if nd is not None:
             return nd.sharded_spec(dtype)
-        cache = self._dim_specs
+        cache = self._specs
         spec = cache.get((i, dtype))
         if spec is None:
             shape = self.full_shapes[i]
             placement = Shard(self.dims[i])
-            placements = (placement,) if self.info.replicate_group is None else (
+            placements = (placement,) if group.info.replicate_group is None else (
                 Replicate(), placement
             )  # fmt: skip
             meta = TensorMeta(shape, _contiguous(shape), dtype)
-            spec = cache[(i, dtype)] = DTensorSpec(self.info.mesh, placements, tensor_meta=meta)
+            spec = cache[(i, dtype)] = DTensorSpec(group.info.mesh, placements, tensor_meta=meta)
         return spec
 
-    def _local_shape(self, i: int) -> torch.Size:
-        return self.local_shapes[i]
+    def sharded_specs(self, group, dtype: torch.dtype) -> list[DTensorSpec]:
+        return [self.spec_of(group, i, dtype) for i in range(len(self.full_shapes))]
 
-    def _local_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        offsets = self.layout.row_offsets
+    def local_views(self, group, buffer: torch.Tensor) -> list[torch.Tensor]:
+        offsets = group.layout.row_offsets
         return [
             buffer.as_strided(s, _contiguous(s), off)
             for s, off in zip(self.local_shapes, offsets, strict=True)
         ]
 
-    def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        offsets = self.grad_layout.row_offsets
-        shapes = [self.local_shapes[i] for i in self._grad_index]
+    def grad_views(self, group, buffer: torch.Tensor) -> list[torch.Tensor]:
+        offsets = group.grad_layout.row_offsets
+        shapes = [self.local_shapes[i] for i in group._grad_index]
         pairs = zip(shapes, offsets, strict=True)
         return [buffer.as_strided(s, _contiguous(s), o) for s, o in pairs]
 
-    def _fill_sharded(self, full, views) -> None:
-        world, rank = self.info.shard_size, self.info.shard_rank
+    def fill_sharded(self, group, full, views) -> None:
+        world, rank = group.info.shard_size, group.info.shard_rank
         for f, v, d in zip(full, views, self.dims, strict=True):
             v.copy_(f.chunk(world, d)[rank])
 
-    def _unsharded_shapes(self) -> tuple[list, list]:
-        return self.full_shapes, list(map(_contiguous, self.full_shapes))
-
-    def _chunks(self, index: list[int] | None) -> torch.Tensor:
-        """The ``chunk_numel`` table ([Note: Chunked copies] in the copy-out
-        kernel) of the params at ``index`` (None: all), on the group's device;
-        made once per distinct set."""
+    def chunks(self, group, index: list[int] | None) -> torch.Tensor:
+        """Made once per distinct set of params, on the group's device."""
         key = None if index is None else tuple(index)
         table = self._chunk_tables.get(key)
         if table is None:
             runs = [length for _, length in self._pre_len]
             if index is not None:
                 runs = [runs[k] for k in index]
-            table = torch.tensor(runs, dtype=torch.int64).to(self.device)
+            table = torch.tensor(runs, dtype=torch.int64).to(group.device)
             self._chunk_tables[key] = table
         return table
 
-    def _copy_out(self, ag: torch.Tensor) -> None:
-        args = self.tables.copy_out_args()
-        self.ops.all_gather_copy_out(ag, [self.unsharded], *args, self._chunks(None))
+    def copy_out(self, group, ag: torch.Tensor) -> None:
+        args = group.tables.copy_out_args()
+        group.ops.all_gather_copy_out(ag, [group.unsharded], *args, self.chunks(group, None))
 
-    def _copy_in(self, grads: list, rs_in: torch.Tensor, divide: float) -> None:
+    def copy_in(self, group, grads: list, rs_in: torch.Tensor, divide: float) -> None:
         # each gradient viewed as its planned (W, numel / W)
-        world = self.info.shard_size
+        world = group.info.shard_size
         grads = [None if g is None else g.reshape(world, -1) for g in grads]
-        index = None if self.grad_layout is self.layout else self._grad_index
-        args = self.grad_layout.tables.reduce_scatter_args()
-        self.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide, self._chunks(index))
+        index = None if group.grad_layout is group.layout else group._grad_index
+        args = group.grad_layout.tables.reduce_scatter_args()
+        group.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide, self.chunks(group, index))
+
+
+class ShardDimGroup(FSDPParamGroup):
+    """An ``FSDPParamGroup`` whose sharding is a ``DimSharding`` of ``dims``;
+    see [Note: Sharding on another dim]. It overrides nothing: the class names
+    such groups (``isinstance``, the traced hooks' checks)."""
+
+    def __init__(self, *args, dims: list[int], **kwargs) -> None:
+        super().__init__(*args, sharding=DimSharding(dims), **kwargs)
