@@ -38,6 +38,15 @@ def _groups(model) -> list:
     return [state_of(block).group for block in model.blocks]
 
 
+def _train(model, opt, x: torch.Tensor, steps: int, zero_grad=None) -> None:
+    """``steps`` steps of ``zero_grad`` (the optimizer's unless given), forward,
+    backward and ``opt.step()``."""
+    for _ in range(steps):
+        (zero_grad or opt.zero_grad)()
+        model(x).sum().backward()
+        opt.step()
+
+
 def _clear_by_hand(model) -> None:
     """``zero_grad(set_to_none=True)`` as a plain loop: nothing is parked."""
     for p in model.parameters():
@@ -73,10 +82,7 @@ def test_parked_buffer_holds_no_memory(fake_pg_1) -> None:
     model = _model()
     opt = FlatOptimizer(model.parameters(), torch.optim.SGD, lr=1e-2)
     x = torch.randn(4)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
+    _train(model, opt, x, steps=2)
     buffers = [g._owned()[0] for g in _groups(model)]
     assert all(b.untyped_storage().nbytes() > 0 for b in buffers)
     opt.zero_grad()
@@ -93,10 +99,7 @@ def test_a_kept_grad_is_never_written(fake_pg_1, kept) -> None:
     model = _model()
     opt = FlatOptimizer(model.parameters(), torch.optim.SGD, lr=1e-2)
     x = torch.randn(4)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
+    _train(model, opt, x, steps=2)
     p = next(model.blocks[1].parameters())
     held = {
         "grad": lambda g: g,
@@ -127,10 +130,7 @@ def _step_survivors(per_group: int, how: str) -> int:
     opt = FlatOptimizer(model.parameters(), torch.optim.SGD, lr=1e-2)
     zero_grad = opt.zero_grad if how == "optimizer" else model.zero_grad
     x = torch.randn(4)
-    for _ in range(3):
-        zero_grad()
-        model(x).sum().backward()
-        opt.step()
+    _train(model, opt, x, steps=3, zero_grad=zero_grad)
     zero_grad()
     loss = model(x).sum()
     gc.collect()
