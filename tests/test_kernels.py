@@ -405,6 +405,50 @@ def test_cpu_index_cache_keeps_what_fits_and_refuses_the_rest(monkeypatch):
     assert index() is first  # a cached index stays served under a smaller budget
 
 
+def test_cpu_index_cache_follows_its_tables():
+    """An index is served only for the table objects it was built from, as they
+    are: tables written in place get a new one, and new tables made where dead
+    ones lived (CPython reuses their addresses, so their ids) never get a dead
+    table set's index ([Note: Cached CPU indices])."""
+    # the same sizes (so the same cache key but for the ids), other layouts
+    plans = [
+        make_plan(shapes, 2, 0, torch.float32, torch.float32, torch.float32)
+        for shapes in ([(3,), (5,), (2, 4)], [(5,), (2, 4), (3,)])
+    ]
+    assert plans[0].row_numel == plans[1].row_numel
+    assert plans[0].unsharded_numel == plans[1].unsharded_numel
+
+    def index(plan, args):
+        return _cpu_index.copy_out_index(*args, 2, plan.row_numel, plan.unsharded_numel)
+
+    def fresh(plan):
+        tables = GroupTables.from_plan(plan, torch.device("cpu"))
+        return tables, tables.copy_out_args()[:3]
+
+    expected = []
+    for plan in plans:
+        tables, args = fresh(plan)
+        built = index(plan, args)
+        expected.append(tuple(None if t is None else t.clone() for t in built))
+        del tables, args, built
+    tables, args = fresh(plans[0])
+    first = index(plans[0], args)
+    assert index(plans[0], args) is first
+    args[0].add_(0)  # written in place (the same values): built again
+    assert index(plans[0], args) is not first
+    del tables, args, first
+    seen_ids = set()
+    for i in range(40):
+        plan = plans[i % 2]
+        tables, args = fresh(plan)
+        seen_ids.add(tuple(map(id, args)))
+        got = index(plan, args)
+        for a, b in zip(got, expected[i % 2], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), i
+        del tables, args, got
+    assert len(seen_ids) < 40  # some ids were reused, so the check above meant something
+
+
 def test_cpu_index_cache_counts_its_bytes_under_threads():
     """Ranks may be threads of one process: threads filling and dropping the
     cache at once leave its byte count equal to what it holds, and back where

@@ -81,14 +81,15 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
     not fit the budget (``rows``: elements of the ``[W, S]`` buffer it spans,
     so at least ``4 * rows`` bytes). A refusal is cached too, with the same
     lifetime, so a table set takes one path for as long as it lives."""
-    key = (tuple(map(id, tables)), extra)
+    key = (*map(id, tables), *extra)
     versions = tuple(map(_VERSION, tables))
     # A hit needs no lock: entries are immutable tuples, replaced whole under it.
+    # Nor an identity check: a key's ids are of live tables, since a table's
+    # death evicts its entries (the weak references' callback) before its id
+    # can be reused.
     hit = _CACHE.get(key)
-    if hit is not None:
-        refs, seen, index = hit
-        if seen == versions and all(map(operator.is_, map(_DEREF, refs), tables)):
-            return index
+    if hit is not None and hit[1] == versions:
+        return hit[2]
     with _LOCK:
         _evict(key)
         index = build() if _held[0] + 4 * rows <= BUDGET else None
@@ -101,9 +102,6 @@ def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], 
 
 
 _VERSION = operator.attrgetter("_version")
-
-
-_DEREF = weakref.ReferenceType.__call__  # a weak reference's target, called from C
 
 
 def _index_dtype(bound: int) -> torch.dtype:

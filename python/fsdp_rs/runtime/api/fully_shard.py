@@ -485,7 +485,14 @@ class FSDPModule(CommSettings, TorchFSDPModule):
         it ([Note: Parked gradient buffers] in ``runtime/group/grad_buffers.py``)."""
         if not set_to_none:
             return super().zero_grad(set_to_none=False)
-        groups = self._groups(recurse=True)
+        state = self._state
+        if state.is_root and state.context is not None:
+            # Parking is only a saving: the groups the root's lazy init found (a
+            # group outside them, or one no longer under it, is not parked; one
+            # whose .grads were not cleared never is), not a walk of every module.
+            groups = [s.group for s in state.context.states if s.group is not None]
+        else:
+            groups = self._groups(recurse=True)
         flat = [g for b in groups for g in (b.groups if isinstance(b, GroupBundle) else (b,))]
         held = hold_grads(flat)
         try:

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.comm.mesh import MeshInfo
-from fsdp_rs.runtime.group.params import is_none
+from fsdp_rs.runtime.group.params import is_none, own_grads
 
 __all__ = [
     "GradBuffer",
@@ -60,8 +60,6 @@ __all__ = [
     "sharded_buffers",
     "sharded_grad_buffers",
 ]
-
-_GRAD = operator.attrgetter("grad")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -82,10 +80,8 @@ def _whole(group) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     buffer, views = group._owned()
     if buffer is None or any(map(is_none, views)):
         return None
-    # the group's own DTensor parameters: their .grad without a __torch_function__
-    # round trip (DTensor's is disabled; half the cost of this pass)
-    with torch._C.DisableTorchFunctionSubclass():
-        same = all(map(operator.is_, map(_GRAD, group._grad_params), views))
+    # [Note: Reading fsdp-rs's own DTensors]
+    same = all(map(operator.is_, own_grads(group._grad_params), views))
     return (buffer, views) if same else None
 
 
@@ -250,7 +246,7 @@ def park_grads(groups: Sequence) -> None:
 
 
 def _park(group, buffer: torch.Tensor, views: list[DTensor]) -> None:
-    if not all(map(is_none, map(_GRAD, group._grad_params))):
+    if not all(map(is_none, own_grads(group._grad_params))):
         return
     locals_ = list(map(_LOCAL, views))
     listed = next(map(sys.getrefcount, [object()]))  # an object a list alone holds

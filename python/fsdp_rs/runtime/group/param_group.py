@@ -87,7 +87,7 @@ from fsdp_rs.runtime.group.grad_dtypes import (
 )
 from fsdp_rs.runtime.group.gradients import GradientReduction
 from fsdp_rs.runtime.group.layout import LayoutKey, group_layout
-from fsdp_rs.runtime.group.params import ManagedParams, alias_storage
+from fsdp_rs.runtime.group.params import ManagedParams, alias_storage, own_requires_grad
 from fsdp_rs.runtime.group.sharding import DIM0, Sharding
 from fsdp_rs.runtime.group.unshard import ShardedState, Unsharding, post_forward_process_group
 from fsdp_rs.runtime.step.training_state import TrainingState, in_autograd_backward
@@ -429,7 +429,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         the unsharded parameters are made (the first unshard, and after
         [Note: Trainable set changes]), so that freezing sharded parameters
         before a forward takes effect."""
-        self.requires_grad = list(map(_REQUIRES_GRAD, self.sharded_params))
+        self.requires_grad = own_requires_grad(self.sharded_params)
         # compared across ranks before reducing: [Note: One trainable set on every rank]
         self.trained_digest = trained_digest(self.requires_grad)
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
@@ -444,7 +444,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         (``model.parameters()`` between an evaluation forward and the next
         step): such a change is copied to the sharded parameter, which outlives
         the unsharded one ([Note: Trainable set changes])."""
-        now = list(map(_REQUIRES_GRAD, self.sharded_params))
+        now = own_requires_grad(self.sharded_params)
         if self.state is not ShardedState.UNSHARDED or self.unsharded_params is None:
             return now
         registered = list(map(_REQUIRES_GRAD, self.unsharded_params))

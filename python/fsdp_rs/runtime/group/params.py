@@ -32,7 +32,11 @@ __all__ = [
     "composable_registry",
     "get_grads",
     "is_none",
+    "own_accumulate_hooks",
+    "own_grads",
+    "own_requires_grad",
     "set_grads",
+    "set_own_grads",
     "state_of",
 ]
 
@@ -51,6 +55,47 @@ def clear_grads(params: Sequence[torch.Tensor]) -> None:
 
 def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     deque(map(setattr, params, repeat("grad"), grads), maxlen=0)
+
+
+# [Note: Reading fsdp-rs's own DTensors]
+# A tensor subclass's ``.grad`` (read or written), ``requires_grad`` and
+# ``_post_accumulate_grad_hooks`` go through torch's ``__torch_function__``
+# handling, even where the class disables it as DTensor does: about half the
+# cost of each. The sharded parameters and their ``.grad`` views are DTensors
+# fsdp-rs made itself, so the step's C-level passes over them run with that
+# handling off (``DisableTorchFunctionSubclass``), with the same result; a
+# user's torch-function mode still sees them. Parameters of other classes (an
+# extension's unsharded ones) keep ``get_grads`` / ``set_grads``.
+_OWN = torch._C.DisableTorchFunctionSubclass
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def own_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``get_grads`` of fsdp-rs's own DTensor parameters ([Note: Reading
+    fsdp-rs's own DTensors])."""
+    with _OWN():
+        return list(map(_get_grad, params))
+
+
+def set_own_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``set_grads`` of fsdp-rs's own DTensor parameters ([Note: Reading
+    fsdp-rs's own DTensors])."""
+    with _OWN():
+        deque(map(setattr, params, repeat("grad"), grads), maxlen=0)
+
+
+def own_requires_grad(params: Sequence[torch.Tensor]) -> list[bool]:
+    """Each of fsdp-rs's own DTensor parameters' ``requires_grad``."""
+    with _OWN():
+        return list(map(_REQUIRES_GRAD, params))
+
+
+def own_accumulate_hooks(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any of fsdp-rs's own DTensor parameters has a post-accumulate-grad
+    hook ([Note: Post-accumulate-grad hooks])."""
+    with _OWN():
+        return any(map(_ACCUMULATE_HOOKS, params))
 
 
 def alias_storage(
