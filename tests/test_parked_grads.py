@@ -83,7 +83,7 @@ def test_parked_buffer_holds_no_memory(fake_pg_1) -> None:
     opt = FlatOptimizer(model.parameters(), torch.optim.SGD, lr=1e-2)
     x = torch.randn(4)
     _train(model, opt, x, steps=2)
-    buffers = [g._owned()[0] for g in _groups(model)]
+    buffers = [g.grad_assign.owned(g)[0] for g in _groups(model)]
     assert all(b.untyped_storage().nbytes() > 0 for b in buffers)
     opt.zero_grad()
     assert all(b.untyped_storage().nbytes() == 0 for b in buffers)  # freed, as FSDP2's

@@ -527,7 +527,7 @@ class FSDPModule(CommSettings, TorchFSDPModule):
         check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         self._state.is_last_backward = is_last_backward  # read at lazy init
         if self._state.context is not None:
-            self._state.context.is_last_backward = is_last_backward
+            self._state.context.iteration.is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """On the root: whether the caller ends each backward iteration with
@@ -600,7 +600,7 @@ class FSDPModule(CommSettings, TorchFSDPModule):
     def set_post_optim_event(self, event: torch.Event) -> None:
         self._state.post_optim_event = event  # read at lazy init
         if self._state.context is not None:
-            self._state.context.post_optim_event = event
+            self._state.context.iteration.post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's gradients by ``factor`` instead of the data-parallel

@@ -145,7 +145,7 @@ class GradientAgreement:
             missing = [not all(had) for _, had, _ in entries]
             if shard_group is None and replicate_group is None:
                 for group, _, _ in entries:
-                    group._unagreed = None  # no other rank: local is agreed
+                    group.grad_assign.unagreed = None  # no other rank: local is agreed
                 continue
             flags = torch.ones(sum(len(had) for _, had, _ in entries), dtype=torch.uint8)
             if any(missing):
@@ -166,7 +166,7 @@ class GradientAgreement:
                 n = len(had)
                 if m:
                     with self.streams.on(stream):
-                        group.assign_agreed(had, agreed[offset : offset + n])
+                        group.grad_assign.assign_agreed(group, had, agreed[offset : offset + n])
                         self.streams.note_post_reduce(stream, self.streams.record(stream))
                 offset += n
 

@@ -279,9 +279,9 @@ def _why_not(context) -> str | None:
     """The first reason (a key of ``_REASONS``) why some group of ``context``
     cannot be traced now, or None."""
     if (
-        context.manual_finalization
-        or context.manual_active
-        or context.pending_reduction is not None
+        context.iteration.manual_finalization
+        or context.iteration.manual_active
+        or context.iteration.pending_reduction is not None
     ):
         return "manual"  # [Note: Manual backward finalization]
     return _why_not_groups(state.traced_groups for state in context.states)
@@ -384,8 +384,8 @@ def _regather(state, context) -> None:
     groups gathered again in forward order before its backward, on every
     rank."""
     gathered = [t.gathered for t in state.traced_groups if t.gathered is not None]
-    if len(gathered) > 0 and context.token is not None:
-        context.token = regathered(context.token, gathered)
+    if len(gathered) > 0 and context.tracing.token is not None:
+        context.tracing.token = regathered(context.tracing.token, gathered)
 
 
 def _unshard(traced: TracedGroup, context) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -399,8 +399,8 @@ def _unshard(traced: TracedGroup, context) -> tuple[list[torch.Tensor], torch.Te
     # the previous one's token and passes its own on
     # (len: torch 2.9's Dynamo cannot trace bool() of a list under dynamic shapes)
     trains = len(traced.trained) > 0
-    chained = trains and context.token is not None
-    token = context.token if chained else torch.empty(0, device=group.device)
+    chained = trains and context.tracing.token is not None
+    token = context.tracing.token if chained else torch.empty(0, device=group.device)
     if traced.extension_gather is not None:
         local = [local_of(p) for p in group.sharded_params]
         flags = (traced.reduce_op, traced.all_reduce_op, traced.pre_divide, traced.post_divide)
@@ -411,7 +411,7 @@ def _unshard(traced: TracedGroup, context) -> tuple[list[torch.Tensor], torch.Te
         out = _recomputed(group, _gather, traced, group.sharded, token, *local)
     *views, token, gathered = out
     if trains:
-        context.token = token
+        context.tracing.token = token
     # DTensor parameters (TP / EP / dp_mesh_dims / spmd_types): ``unsharded_as``
     views = [
         v if wrap is None else wrap(v) for v, wrap in zip(views, traced.unsharded_as, strict=True)
@@ -437,11 +437,11 @@ def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
     context = state.context
     if state.is_root:
         why = _why_not(context)
-        context.root_traced = why is None
+        context.tracing.root_traced = why is None
         if why is not None:
             return _FALLBACK_PRE[why](state, module, args, kwargs)
         args, kwargs = to_device(args, kwargs, context.device)
-    elif not context.tracing:
+    elif not context.tracing.active:
         return _FALLBACK_PRE["root"](state, module, args, kwargs)
     mp = state.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
@@ -453,7 +453,7 @@ def pre_forward(state, module, args: tuple, kwargs: dict) -> Any:
 
 def post_forward(state, module, args: tuple, output: Any) -> Any:
     context = state.context
-    if not (context.root_traced if state.is_root else context.tracing):
+    if not (context.tracing.root_traced if state.is_root else context.tracing.active):
         return _FALLBACK_POST(state, module, args, output)
     if not state.is_root:  # the root's: in its forward (``_root_forward``)
         _regather(state, context)
@@ -478,16 +478,16 @@ def _root_forward(state, forward):
 
     def traced_forward(*args: Any, **kwargs: Any) -> Any:
         context = state.context
-        if not torch.compiler.is_compiling() or not context.root_traced:
+        if not torch.compiler.is_compiling() or not context.tracing.root_traced:
             return forward(*args, **kwargs)
-        context.tracing = True
-        context.token = None
+        context.tracing.active = True
+        context.tracing.token = None
         _unshard_all(state, context)
         output = forward(*args, **kwargs)
         _regather(state, context)
-        output = _anchor(output, context.token)
+        output = _anchor(output, context.tracing.token)
         _register_sharded(context)
-        context.tracing = False
+        context.tracing.active = False
         return output
 
     return traced_forward
@@ -500,7 +500,7 @@ def _dispatch(state):
     def pre(module, args, kwargs):
         if torch.compiler.is_compiling():
             return pre_forward(state, module, args, kwargs)
-        if state.context is not None and state.context.tracing:
+        if state.context is not None and state.context.tracing.active:
             _mixed(state.context)
         return state.pre_forward(module, args, kwargs)
 
@@ -585,7 +585,7 @@ def _anchor(output: Any, token: torch.Tensor | None) -> Any:
 
 def _register_sharded(context) -> None:
     """Every group's sharded parameters registered again."""
-    context.token = None
+    context.tracing.token = None
     for state in context.states:
         for traced in state.traced_groups:
             traced.register(traced.group.sharded_params)
@@ -593,7 +593,7 @@ def _register_sharded(context) -> None:
 
 
 def _mixed(context) -> None:
-    context.tracing = False
+    context.tracing.active = False
     _register_sharded(context)
     raise RuntimeError(
         "fsdp_rs: a fully_shard module ran its forward eager inside a root forward "

@@ -77,7 +77,7 @@ def _group_of(t: torch.Tensor):
 def _whole(group) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """The group's gradient buffer and its views when each view is alive and
     still its parameter's ``.grad`` ([Note: Whole gradient buffers])."""
-    buffer, views = group._owned()
+    buffer, views = group.grad_assign.owned(group)
     if buffer is None or any(map(is_none, views)):
         return None
     # [Note: Reading fsdp-rs's own DTensors]
@@ -270,7 +270,7 @@ def take_parked(group) -> tuple[torch.Tensor, list[DTensor]] | None:
     if parked is None:
         return None
     buffer, views, layout, dtype = parked
-    ref = group._grad_ref
+    ref = group.grad_assign.buffer_ref
     if layout is not group.grad_layout or dtype != group.grad_dtype or ref is None:
         return None
     if ref() is not buffer or buffer.device != group.sharded.device:

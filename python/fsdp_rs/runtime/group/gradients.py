@@ -63,17 +63,6 @@ gradients; rows for the frozen ones would cost the whole layer in every buffer
 and on the wire. Every row start is aligned, so a run of consecutive trainable
 parameters has the same relative offsets in both layouts.
 
-[Note: Sharded gradient buffer]
-The sharded ``.grad``s of a group are DTensor views of one buffer in the row
-layout, made at the reduction that finds every ``.grad`` None (the reduce-scatter
-writes it directly when nothing else is due), as FSDP2's are views of its
-reduce-scatter output. fsdp-rs holds the buffer and the views weakly: they live
-exactly as long as some ``.grad`` does, so ``zero_grad()`` (``set_to_none``)
-frees the gradient memory and the next backward allocates it again group by
-group, and a ``.grad`` the user kept is never written by a later backward. While
-the views live, a reduction that finds them all in place accumulates into the
-buffer with one post-reduce; anything else goes per parameter.
-
 [Note: Gradient agreement]
 Which parameters got a gradient is a local observation: in a mixture of
 experts, an expert that no token of this rank was routed to gets none here and
@@ -134,24 +123,11 @@ reduce dtype unless the parameters set a ``grad_dtype`` of their own ([Note:
 Gradient dtype policy]); where that accumulation dtype is narrower than the
 compute dtype, or neither, it is set on the unsharded parameters for good
 (``fixed_grad_dtype``), and the group never pre-places either.
-
-[Note: Post-accumulate-grad hooks]
-Autograd never accumulates into a sharded parameter (forward uses the unsharded
-one), so the hooks users register on it with
-``register_post_accumulate_grad_hook`` (optimizer-in-backward: one optimizer per
-parameter, stepped in the hook) are run here, as FSDP2 runs them: once per
-parameter per reduction that assigns or adds to its ``.grad``, right after, on
-the stream of that assignment. No reduction, no hook: a backward under
-``set_requires_gradient_sync(False)`` or ``set_requires_all_reduce(False)``
-(HSDP) runs none, and the next synced one runs each once. A parameter that
-this rank had no gradient for gets its hook when the agreement assigns its
-``.grad`` ([Note: Gradient agreement]); one no rank had a gradient for, none.
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -166,7 +142,7 @@ from fsdp_rs.runtime.comm.collectives import (
     reduce_scatter,
     unreduced_post_divide,
 )
-from fsdp_rs.runtime.group.grad_buffers import take_parked
+from fsdp_rs.runtime.group.grad_assign import GradAssignment
 from fsdp_rs.runtime.group.grad_state import (
     Accumulated,
     AccumulatedBuffer,
@@ -181,8 +157,6 @@ from fsdp_rs.runtime.variants.nd import DTensorParam
 __all__ = ["GradientReduction"]
 
 _VERSION = operator.attrgetter("_version")
-_ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-_DEREF = weakref.ref.__call__
 
 
 def _local_grad(nd, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -208,12 +182,9 @@ class GradientReduction:
     Uses the group's plan, tables, mesh info, dtypes (``widens_grads``: [Note:
     Wider gradient accumulation]) and the flags the API sets
     (``reduce_grads``, ``all_reduce_grads``, ``gradient_divide_factor``,
-    ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``)."""
-
-    # [Note: Parked gradient buffers] (``grad_buffers``): the buffer and views kept
-    # across ``FlatOptimizer.zero_grad``, while it runs and until the next reduction
-    _holding: tuple | None = None
-    _parked: tuple | None = None
+    ``all_reduce_hook``, ``force_sum_reduction``, ``reshard_after_backward``).
+    What the reduction becomes on the sharded parameters (their ``.grad``
+    views, their hooks) is the ``GradAssignment`` it holds, ``grad_assign``."""
 
     def _init_gradients(self) -> None:
         # On every device: whether a step pre-places is decided by memory
@@ -237,13 +208,11 @@ class GradientReduction:
         # more than once in forward): [Note: Partial gradients of a module called twice]
         self.visits_left = False
         self._partial_first = fsdp2_reduces_partial_first()
-        # the post-reduced row whose parameters this rank had no gradient for
-        # wait on ([Note: Gradient agreement]), and the agreement (the root's)
-        self._unagreed: torch.Tensor | None = None
+        # the sharded gradient buffer, its .grad views and the row awaiting
+        # agreement ([Note: Sharded gradient buffer]); the agreement (the root's)
+        self.grad_assign = GradAssignment()
         self.agreement = None
         self.all_reduce_hook_stream = None  # set_all_reduce_hook(stream=...)
-        self._grad_ref = None  # [Note: Sharded gradient buffer]
-        self._view_refs = None
         self.finalize_pending = False  # [Note: Manual backward finalization]
 
     def _make_grad_aliases(self) -> None:
@@ -343,7 +312,7 @@ class GradientReduction:
         the placed unsharded gradients. Assigned sharded ``.grad``s stay."""
         unsynced, self._unsynced = self._unsynced, None
         self._partial = None
-        self._unagreed = None
+        self.grad_assign.unagreed = None
         if isinstance(unsynced, KeptOnParams):
             clear_grads(unsynced.params)
         if self._placed and self.unsharded_params is not None:
@@ -555,6 +524,7 @@ class GradientReduction:
         # before the collective, on every path to it: [Note: One trainable set on every rank]
         self.agreement.check_trainable(self)
         info, plan, streams = self.info, self.grad_layout.plan, self.streams
+        assign = self.grad_assign
         post = division.post
         comm = self.reduce_scatter_comm
         if self.reduce_scatter_unused_params:
@@ -569,7 +539,7 @@ class GradientReduction:
         direct = (
             comm is None
             and current is not None
-            and self._reduces_into_grad_buffer(had_grad, current)
+            and assign.reduces_into_buffer(self, had_grad, current)
         )
         rs_stream = post_stream = None
         if streams.enabled:
@@ -590,7 +560,7 @@ class GradientReduction:
                     )
                 else:
                     if direct:
-                        output, views = self._new_grad_buffer()
+                        output, views = assign.new_buffer(self)
                     else:
                         output = torch.empty(
                             plan.row_numel, dtype=self.reduce_dtype, device=self.device
@@ -638,8 +608,8 @@ class GradientReduction:
                     output.div_(post)  # in place, as FSDP2 divides its reduce output
                 set_grads(self._grad_params, views)
             else:
-                self._assign_grads(output, post, had_grad, current)
-            self._run_accumulate_hooks(had_grad)
+                assign.assign(self, output, post, had_grad, current)
+            assign.run_accumulate_hooks(self, had_grad)
             post_event = streams.record(post_stream)
         self.agreement.note(self, had_grad, post_stream)
         # One rank: the post-reduce read the input itself.
@@ -667,129 +637,3 @@ class GradientReduction:
         streams.note_post_reduce(post_stream, post_event)
         if post_stream is not streams.reduce_scatter:
             streams.keep_reduce_output(self, output, post_event)
-
-    def _owned(self) -> tuple[torch.Tensor | None, list]:
-        """The gradient buffer of the last reduction while a ``.grad`` view of it
-        lives (views keep their base alive), with its views (None where dead)."""
-        buffer = None if self._grad_ref is None else self._grad_ref()
-        if buffer is None:
-            return None, [None] * len(self._grad_index)
-        return buffer, list(map(_DEREF, self._view_refs))
-
-    def _new_grad_buffer(self) -> tuple[torch.Tensor, list]:
-        """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
-        parameter, held weakly ([Note: Sharded gradient buffer]); the parked
-        ones where there are ([Note: Parked gradient buffers])."""
-        parked = take_parked(self)
-        if parked is not None:
-            return parked
-        buffer = self._new_sharded_grads(torch.empty)
-        buffer._fsdp_rs_group = weakref.ref(self)  # for grad_buffers.sharded_grad_buffers
-        local = self._grad_views(buffer)
-        views = self._sharded_grad_views(local, buffer.dtype)
-        self._grad_ref = weakref.ref(buffer)
-        self._view_refs = list(map(weakref.ref, views))
-        return buffer, views
-
-    def _new_sharded_grads(self, make) -> torch.Tensor:
-        """A sharded buffer in the gradient layout, made by ``make`` (``torch.empty``
-        or ``torch.zeros``) where the sharded parameters live, in the sharded
-        gradient dtype (theirs unless [Note: Gradient dtype policy])."""
-        sharded = self.sharded
-        numel = self.grad_layout.plan.row_numel
-        return make(numel, dtype=self.grad_dtype, device=sharded.device)
-
-    def _reduces_into_grad_buffer(
-        self, had_grad: list[bool], current: list[torch.Tensor | None]
-    ) -> bool:
-        """Whether the reduce-scatter can write the sharded gradient buffer itself,
-        as FSDP2's gradients are views of its reduce-scatter output: every
-        parameter got a gradient and has no ``.grad`` (the usual step after
-        ``zero_grad()``), the reduced gradient goes to no hook first, and needs
-        no cast or move. A division then runs in place on the buffer, and HSDP's
-        all-reduce too (the caller rules out a backward that leaves it partial):
-        the reduce-scatter output is never a second gradient-sized buffer, which
-        on an accelerator would stay allocated for the all-reduce stream until
-        the end of backward ([Note: Cross-stream lifetimes])."""
-        return (
-            self.info.shard_size > 1
-            and self.all_reduce_hook is None
-            and self.grad_dtype == self.reduce_dtype
-            and self.sharded.device == self.device
-            and all(had_grad)
-            and all(map(is_none, current))
-        )
-
-    def _assign_grads(
-        self,
-        output: torch.Tensor,
-        divide: float,
-        had_grad: list[bool],
-        current: list[torch.Tensor | None] | None,
-    ) -> None:
-        """Post-reduce into the sharded gradient buffer, then make sure every
-        parameter that got a gradient on this rank has a ``.grad`` view of it
-        (``current``: their ``.grad`` before, None if not read yet). The others
-        wait for the agreement ([Note: Gradient agreement])."""
-        if current is None:
-            current = get_grads(self._grad_params)
-        if output.device != self.sharded.device:
-            output = output.to(self.sharded.device)
-        buffer, views = self._owned()
-        if all(had_grad):
-            # every view alive and still its parameter's .grad: a view that died
-            # (its .grad cleared while a tensor on the buffer lives on) is None,
-            # and so is its .grad, which must not count as in place
-            if (
-                buffer is not None
-                and not any(map(is_none, views))
-                and all(map(operator.is_, current, views))
-            ):
-                self.shard_ops.post_reduce(output, buffer, divide, True)
-                return
-            if all(map(is_none, current)):
-                buffer, views = self._new_grad_buffer()
-                self.shard_ops.post_reduce(output, buffer, divide, False)
-                set_grads(self._grad_params, views)
-                return
-        # Rare path (some gradients None, replaced by the user, or missing here).
-        fresh = self._new_sharded_grads(torch.zeros)
-        self.shard_ops.post_reduce(output, fresh, divide, False)
-        self._assign_from(fresh, had_grad, current)
-        if not all(had_grad):
-            self._unagreed = fresh
-
-    def assign_agreed(self, had_grad: list[bool], agreed: list[bool]) -> None:
-        """Once the ranks agreed: assign the parameters some rank had a gradient
-        for and this one had none for (on the stream of their post-reduce)."""
-        fresh, self._unagreed = self._unagreed, None
-        wanted = [a and not h for a, h in zip(agreed, had_grad, strict=True)]
-        if any(wanted):
-            self._assign_from(fresh, wanted, get_grads(self._grad_params))
-            self._run_accumulate_hooks(wanted)
-
-    def _run_accumulate_hooks(self, which: list[bool]) -> None:
-        """[Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
-        params = self._grad_params
-        if not any(map(_ACC_HOOKS, params)):  # the usual case: one C-level pass
-            return
-        for param, assigned in zip(params, which, strict=True):
-            hooks = param._post_accumulate_grad_hooks
-            if assigned and hooks:
-                for hook in list(hooks.values()):
-                    hook(param)
-
-    def _assign_from(
-        self, fresh: torch.Tensor, which: list[bool], current: list[torch.Tensor | None]
-    ) -> None:
-        """Per parameter, the ``which`` ones: ``fresh`` (post-reduced, in the
-        sharded layout) becomes or is added to its ``.grad``."""
-        fresh_views = self._grad_views(fresh)
-        for k, (i, p) in enumerate(zip(self._grad_index, self._grad_params, strict=True)):
-            if not which[k]:
-                continue
-            if current[k] is None:  # a view of ``fresh``, as a fresh reduction would give
-                p.grad = self._sharded_view(fresh_views[k], i)
-                self._grad_ref = None  # views of two buffers: no whole-buffer accumulation
-            else:
-                current[k]._local_tensor.add_(fresh_views[k].to(current[k].dtype))

@@ -1,8 +1,10 @@
 """One parameter group: one planner call, the group buffers and the sharded
 and unsharded parameters over them. The transitions between them are in
 ``unshard`` (``Unsharding``), the gradient side in ``gradients``
-(``GradientReduction``); what varies between groups is in the strategies the
-group holds, ``gather`` (``GatherStrategy``) and ``sharding`` (``Sharding``).
+(``GradientReduction``, the post-backward) and ``grad_assign``
+(``GradAssignment``, the sharded ``.grad`` views; an object the group holds);
+what varies between groups is in the strategies the group holds, ``gather``
+(``GatherStrategy``) and ``sharding`` (``Sharding``).
 
 Per step a group makes O(1) op and collective calls; the only per-parameter
 work is reading the gradients autograd hands over and the C-level swaps of
@@ -133,9 +135,6 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _new_dtensor = DTensor.__new__
 
 
-_NEW_GRAD_VIEW = functools.partial(_new_dtensor, DTensor, requires_grad=False)
-
-
 def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` (no copy); see [Note: Cheap sharded parameters]."""
     return _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)
@@ -174,8 +173,10 @@ class FSDPParamGroup(Unsharding, GradientReduction):
     ``GatherStrategy``: the row-layout buffer, or all-gather extensions) and
     ``sharding`` (a ``Sharding``: dim 0, or other dims)."""
 
-    # (the _grad_index they are for, dtype, a spec per trainable parameter)
-    _grad_specs: tuple | None = None
+    # [Note: Parked gradient buffers] (``grad_buffers``): the buffer and views kept
+    # across ``FlatOptimizer.zero_grad``, while it runs and until the next reduction
+    _holding: tuple | None = None
+    _parked: tuple | None = None
     annotations: list | None = None  # [Note: spmd_types parameters]
 
     def __init__(
@@ -377,27 +378,6 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         buf._fsdp_rs_group = weakref.ref(self)  # [Note: Whole gradient buffers]
         return buf
 
-    def _sharded_view(self, local: torch.Tensor, i: int) -> DTensor:
-        """A DTensor (not a parameter) over ``local``, this rank's shard of
-        parameter ``i``."""
-        return _dtensor(local, self.sharding.spec_of(self, i, local.dtype))
-
-    def _sharded_grad_views(self, local: list[torch.Tensor], dtype: torch.dtype) -> list[DTensor]:
-        """``_sharded_view`` of each trainable parameter's ``local`` shard (in
-        ``dtype``): one C-level pass, the specs looked up once per gradient
-        layout (a backward makes these views for every parameter)."""
-        cached = self._grad_specs
-        if cached is None or cached[0] is not self._grad_index or cached[1] != dtype:
-            spec_of = self.sharding.spec_of
-            specs = [spec_of(self, i, dtype) for i in self._grad_index]
-            cached = self._grad_specs = (self._grad_index, dtype, specs)
-        return list(map(_NEW_GRAD_VIEW, local, cached[2]))
-
-    def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard of every trainable param, viewed in a buffer of the
-        gradient layout ([Note: Gradient layout])."""
-        return self.sharding.grad_views(self, buffer)
-
     def _reduce_list(self, grads: list[torch.Tensor | None]) -> None:
         """``GradientReduction._reduce_list``, after the gather strategy made
         subclass gradients plain where it has to."""
@@ -434,7 +414,7 @@ class FSDPParamGroup(Unsharding, GradientReduction):
         self.trained_digest = trained_digest(self.requires_grad)
         self._grad_params = list(itertools.compress(self.sharded_params, self.requires_grad))
         self._grad_index = list(itertools.compress(itertools.count(), self.requires_grad))
-        self._grad_ref = self._view_refs = None  # views of the old parameters
+        self.grad_assign.forget_views()  # views of the old parameters
         self._grad_nd = None if self.nd is None else [self.nd[i] for i in self._grad_index]
         self.grad_layout = self.grad_layout_of(self._grad_index)
 

@@ -39,10 +39,29 @@ from fsdp_rs.runtime.step.training_state import in_autograd_backward, in_backwar
 
 __all__ = [
     "GradientReductionHandle",
+    "Iteration",
     "finalize_backward",
     "finish_pipelined_backward",
     "set_manual",
 ]
+
+
+class Iteration:
+    """How a root's backward iterations end, and what the next forward waits for:
+    the root ``Context``'s ``iteration``. The settings are the API's, kept on the
+    root's ``FSDPState`` until lazy init copies them here."""
+
+    def __init__(self) -> None:
+        # set_is_last_backward: False keeps the forward order and unused unshards
+        self.is_last_backward = True
+        # set_post_optim_event: the next root forward's all-gathers wait for it
+        self.post_optim_event = None
+        # [Note: Manual backward finalization] the setting; the mode the running
+        # backward iteration took (None between iterations); an asynchronous
+        # finalization not yet waited on.
+        self.manual_finalization = False
+        self.manual_active: bool | None = None
+        self.pending_reduction = None
 
 
 class GradientReductionHandle:
@@ -57,7 +76,7 @@ class GradientReductionHandle:
         if state is None:
             return
         context = state.context
-        if context.pending_reduction is not self:
+        if context.iteration.pending_reduction is not self:
             raise RuntimeError(
                 "fsdp_rs: this gradient reduction handle was invalidated by "
                 "reset_iter_state(); its gradients are discarded"
@@ -78,17 +97,18 @@ def set_manual(state, enabled: bool) -> None:
             "fsdp_rs: set_manual_backward_finalization must be called on the root "
             "fully_shard module (the one the first forward ran through)"
         )
-    if enabled != context.manual_finalization:
+    iteration = context.iteration
+    if enabled != iteration.manual_finalization:
         if in_autograd_backward():
             raise RuntimeError(
                 "fsdp_rs: set_manual_backward_finalization cannot change mode during backward"
             )
-        if context.manual_active is not None and enabled != context.manual_active:
+        if iteration.manual_active is not None and enabled != iteration.manual_active:
             raise RuntimeError(
                 "fsdp_rs: set_manual_backward_finalization cannot change mode after a "
                 "backward started until finalize_backward() or reset_iter_state()"
             )
-    context.manual_finalization = enabled
+    iteration.manual_finalization = enabled
 
 
 def check_lazy_init(states, root) -> None:
@@ -103,7 +123,7 @@ def check_lazy_init(states, root) -> None:
 
 def check_no_pending(context) -> None:
     """Before a forward: an asynchronous finalization must have been waited on."""
-    pending = context.pending_reduction or context.streams.active_reduction
+    pending = context.iteration.pending_reduction or context.streams.active_reduction
     if pending is not None:
         raise RuntimeError(
             "fsdp_rs: the previous gradient reduction must be waited on before forward: "
@@ -117,7 +137,8 @@ def finalize_backward(state, async_op: bool):
     context = state.context
     if context is None:  # before the first forward: nothing to finalize
         return GradientReductionHandle() if async_op else None
-    if context.pending_reduction is not None:
+    iteration = context.iteration
+    if iteration.pending_reduction is not None:
         raise RuntimeError(
             "fsdp_rs: the previous gradient reduction must be waited on before finalizing "
             "backward again"
@@ -131,8 +152,8 @@ def finalize_backward(state, async_op: bool):
         raise RuntimeError(
             "fsdp_rs: finalize_backward must be called on the root fully_shard module"
         )
-    manual = context.manual_active
-    if not (context.manual_finalization if manual is None else manual):
+    manual = iteration.manual_active
+    if not (iteration.manual_finalization if manual is None else manual):
         raise RuntimeError(
             "fsdp_rs: finalize_backward requires manual backward finalization: call "
             "set_manual_backward_finalization(True) on the root before forward"
@@ -147,7 +168,7 @@ def finalize_backward(state, async_op: bool):
             end_iteration(context)
             return None
     handle = GradientReductionHandle(state)
-    context.pending_reduction = handle
+    iteration.pending_reduction = handle
     if context.streams is not NO_STREAMS:  # shared by the roots of share_comm_ctx
         context.streams.active_reduction = handle
     return handle
@@ -198,7 +219,8 @@ def end_iteration(context) -> None:
 def discard(context) -> None:
     """The iteration's manual mode and handle are done with (``reset_iter_state``:
     the handle in flight, if any, is invalidated)."""
-    context.manual_active = None
-    handle, context.pending_reduction = context.pending_reduction, None
+    iteration = context.iteration
+    iteration.manual_active = None
+    handle, iteration.pending_reduction = iteration.pending_reduction, None
     if handle is not None and context.streams.active_reduction is handle:
         context.streams.active_reduction = None

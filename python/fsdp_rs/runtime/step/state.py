@@ -89,12 +89,36 @@ __all__ = ["Context", "FSDPState"]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+class Tracing:
+    """The root's traced forward ([Note: Traced hooks]): the ``Context``'s
+    ``tracing``, read and written by ``compile/traced.py`` only."""
+
+    def __init__(self) -> None:
+        self.active = False  # a traced forward of the root is in progress
+        self.root_traced = False  # the root's pre-forward took the traced hooks
+        # the last traced group's token ([Note: Every group's backward on every rank])
+        self.token: torch.Tensor | None = None
+
+
 class Context:
-    """Per-root state shared by all fsdp-rs states under one root."""
+    """Per-root state shared by all fsdp-rs states under one root, by concern.
+    The hooks read the fields at the top once or more per group and step, so
+    they are not behind a second object; the rest are:
+
+    - the states, their streams and the gradient agreement, and where forward
+      inputs go;
+    - the order of this step's module calls (forward and backward);
+    - observation ([Note: Labels and logs]) and ``spmd_types`` (the hooks pause
+      its checking with ``untyped``);
+    - ``iteration`` (``finalize.Iteration``): how a backward iteration ends;
+    - ``tracing`` (``Tracing``): the traced forward of ``set_fullgraph_compile``."""
 
     def __init__(self, states: list[FSDPState], streams: CommStreams) -> None:
         self.states = states
         self.streams = streams
+        self.agreement = GradientAgreement(streams)
+        # Where the root moves forward inputs (FSDP2 moves them to its mesh's device).
+        self.device: torch.device | None = None
         self.forward_order: list[FSDPState] = []
         # [Note: Backward order] the module calls that registered a pre-backward
         # hook in forward, with whether they registered a post-backward one too;
@@ -102,30 +126,16 @@ class Context:
         # between backwards: the root's phase, [Note: Training state]).
         self.backward_slots: list[tuple[FSDPState, bool]] = []
         self.backward_order: BackwardOrder | None = None
-        self.agreement = GradientAgreement(streams)
-        self.is_last_backward = True
-        self.post_optim_event = None
-        # [Note: Manual backward finalization] the setting; the mode the running
-        # backward iteration took (None between iterations); an asynchronous
-        # finalization not yet waited on.
-        self.manual_finalization = False
-        self.manual_active: bool | None = None
-        self.pending_reduction = None
-        # Where the root moves forward inputs (FSDP2 moves them to its mesh's device).
-        self.device: torch.device | None = None
-        # [Note: spmd_types parameters] with annotated parameters: the package, and
-        # what pauses its type checking around the hooks' own tensor work
-        self.spmd = None
-        self.untyped = _nothing
-        # A traced forward of the root is in progress ([Note: Traced hooks]).
-        self.tracing = False
-        self.root_traced = False  # the root's pre-forward took the traced hooks
-        # the last traced group's token ([Note: Every group's backward on every rank])
-        self.token: torch.Tensor | None = None
         # [Note: Labels and logs] the debug log is on (read per root forward); a
         # labelled hook is running
         self.logs = logs_enabled()
         self.labelling = False
+        # [Note: spmd_types parameters] with annotated parameters: the package, and
+        # what pauses its type checking around the hooks' own tensor work
+        self.spmd = None
+        self.untyped = _nothing
+        self.iteration = finalize.Iteration()
+        self.tracing = Tracing()
 
 
 _NOTHING = contextlib.nullcontext()
@@ -290,9 +300,10 @@ class FSDPState:
             context.spmd.register_local_autograd_function(_PostBackward)
             context.untyped = untyped
         finalize.check_lazy_init(states, self)
-        context.is_last_backward = self.is_last_backward
-        context.post_optim_event = self.post_optim_event
-        context.manual_finalization = self.manual_finalization
+        iteration = context.iteration
+        iteration.is_last_backward = self.is_last_backward
+        iteration.post_optim_event = self.post_optim_event
+        iteration.manual_finalization = self.manual_finalization
         for state in states:
             state.context = context
             state.is_root = state is self
@@ -352,8 +363,9 @@ class FSDPState:
             context.forward_order = []
             context.backward_slots = []
         # The all-gathers read the sharded buffers the optimizer wrote.
-        context.streams.all_gather_streams_wait_current(context.post_optim_event)
-        context.post_optim_event = None
+        iteration = context.iteration
+        context.streams.all_gather_streams_wait_current(iteration.post_optim_event)
+        iteration.post_optim_event = None
         return to_device(args, kwargs, context.device)
 
     def _unshard_for_forward(self) -> None:
@@ -516,8 +528,9 @@ class FSDPState:
     def _begin_backward(self) -> None:
         context = self.context
         if context.backward_order is None:  # this root's backward begins ([Note: Training state])
-            if context.manual_active is None:  # the iteration's mode, set at its start
-                context.manual_active = context.manual_finalization
+            iteration = context.iteration
+            if iteration.manual_active is None:  # the iteration's mode, set at its start
+                iteration.manual_active = iteration.manual_finalization
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             context.backward_order = BackwardOrder(context.backward_slots)
         # [Note: Backward order] the slots before this one that did not fire here
@@ -589,8 +602,9 @@ class FSDPState:
         order, context.backward_order = context.backward_order, None  # ends this backward
         for state, hooked in order.rest():
             state._replay(hooked)
-        manual = context.manual_active  # [Note: Manual backward finalization]
-        last = context.is_last_backward and not manual
+        iteration = context.iteration
+        manual = iteration.manual_active  # [Note: Manual backward finalization]
+        last = iteration.is_last_backward and not manual
         for state in context.states:
             group = state.group
             if group is None:
