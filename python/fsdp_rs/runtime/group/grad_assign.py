@@ -36,11 +36,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_rs.runtime.group.grad_buffers import take_parked
-from fsdp_rs.runtime.group.params import get_grads, is_none, set_grads
+from fsdp_rs.runtime.group.params import is_none, own_accumulate_hooks, own_grads, set_own_grads
 
 __all__ = ["GradAssignment"]
 
-_ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _DEREF = weakref.ref.__call__
 # a DTensor (not a parameter) over a local shard: [Note: Cheap sharded parameters]
 _NEW_GRAD_VIEW = functools.partial(DTensor.__new__, DTensor, requires_grad=False)
@@ -159,7 +158,7 @@ class GradAssignment:
         (``current``: their ``.grad`` before, None if not read yet). The others
         wait for the agreement ([Note: Gradient agreement])."""
         if current is None:
-            current = get_grads(group._grad_params)
+            current = own_grads(group._grad_params)
         if output.device != group.sharded.device:
             output = output.to(group.sharded.device)
         buffer, views = self.owned(group)
@@ -177,7 +176,7 @@ class GradAssignment:
             if all(map(is_none, current)):
                 buffer, views = self.new_buffer(group)
                 group.shard_ops.post_reduce(output, buffer, divide, False)
-                set_grads(group._grad_params, views)
+                set_own_grads(group._grad_params, views)
                 return
         # Rare path (some gradients None, replaced by the user, or missing here).
         fresh = self._new_sharded_grads(group, torch.zeros)
@@ -192,14 +191,14 @@ class GradAssignment:
         fresh, self.unagreed = self.unagreed, None
         wanted = [a and not h for a, h in zip(agreed, had_grad, strict=True)]
         if any(wanted):
-            self._assign_from(group, fresh, wanted, get_grads(group._grad_params))
+            self._assign_from(group, fresh, wanted, own_grads(group._grad_params))
             self.run_accumulate_hooks(group, wanted)
 
     @staticmethod
     def run_accumulate_hooks(group, which: list[bool]) -> None:
         """[Note: Post-accumulate-grad hooks] on the parameters ``which`` marks."""
         params = group._grad_params
-        if not any(map(_ACC_HOOKS, params)):  # the usual case: one C-level pass
+        if not own_accumulate_hooks(params):  # the usual case: one C-level pass
             return
         for param, assigned in zip(params, which, strict=True):
             hooks = param._post_accumulate_grad_hooks

@@ -149,7 +149,15 @@ from fsdp_rs.runtime.group.grad_state import (
     KeptOnParams,
     PartialReduce,
 )
-from fsdp_rs.runtime.group.params import alias_storage, clear_grads, get_grads, is_none, set_grads
+from fsdp_rs.runtime.group.params import (
+    alias_storage,
+    clear_grads,
+    get_grads,
+    is_none,
+    own_grads,
+    set_grads,
+    set_own_grads,
+)
 from fsdp_rs.runtime.step.observe import phase
 from fsdp_rs.runtime.step.training_state import backward_task
 from fsdp_rs.runtime.variants.nd import DTensorParam
@@ -535,7 +543,7 @@ class GradientReduction:
         # all-reduce waits for a later backward the gradients stay partial ([No
         # all-reduce]) and are assigned after that one.
         partial = info.replicate_group is not None and not self.all_reduce_grads
-        current = None if partial else get_grads(self._grad_params)
+        current = None if partial else own_grads(self._grad_params)
         direct = (
             comm is None
             and current is not None
@@ -606,7 +614,7 @@ class GradientReduction:
             if direct:
                 if post != 1.0:
                     output.div_(post)  # in place, as FSDP2 divides its reduce output
-                set_grads(self._grad_params, views)
+                set_own_grads(self._grad_params, views)
             else:
                 assign.assign(self, output, post, had_grad, current)
             assign.run_accumulate_hooks(self, had_grad)
