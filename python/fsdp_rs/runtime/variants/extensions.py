@@ -247,14 +247,9 @@ class ExtensionGather(GatherStrategy):
         """The module registering each parameter (FSDP2 passes it to the
         pre-all-gather)."""
         if self.owners is None:
-            by_dict = {}
-            for root in group.modules:
-                for m in root.modules():
-                    by_dict.setdefault(id(m._parameters), m)
-            first: dict[int, nn.Module] = {}
-            for d, i in zip(group.managed.slot_dicts, group.managed.slot_index, strict=True):
-                first.setdefault(i, by_dict.get(id(d)))
-            self.owners = [first[i] for i in range(len(group.shapes))]
+            managed = group.managed
+            modules = managed.slot_modules(group.modules)
+            self.owners = [modules[k] for k in managed.first_slots()]
         return self.owners
 
     def inputs_of(self, group, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
