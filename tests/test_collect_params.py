@@ -71,3 +71,20 @@ def test_several_roots_and_owned_parameters():
     assert found.fqns == ["[0].weight", "[0].bias", "[1].weight"]
     (conflict,) = found.conflicts
     assert re.search(r"\[1\]\.bias .* shared with .*the fully_shard group of Other", conflict)
+
+
+def test_first_slots_and_slot_modules():
+    """Each parameter's first slot and each slot's module: what the eager swap
+    reads back (``registered``), the extensions' owner modules and the traced
+    hooks' slots are made from."""
+    model, ignored = _model()
+    found = collect_params([model], [ignored], OWNER)
+    first = found.first_slots()
+    assert first == [found.slot_index.index(i) for i in range(found.num_params)]
+    modules = found.slot_modules([model])
+    assert all(m._parameters is d for m, d in zip(modules, found.slot_dicts, strict=True))
+    tied = found.fqns.index("1.tied")
+    assert modules[first[tied]] is model[1]
+    assert all(r is p for r, p in zip(found.registered(), found.params, strict=True))
+    outside = found.slot_modules([model[0]])
+    assert outside[:2] == [model[0], model[0]] and set(outside[2:]) == {None}

@@ -27,7 +27,8 @@ another's shard. So every backward of a group that reduces across ranks also
 all-reduces its used-mask, on every rank whether or not this rank's graph left
 a gradient missing (a rank that checked alone would wait in a collective the
 others never issue), and every rank raises where the ranks' masks differ (the
-maximum and the minimum in one all-reduce). That costs one all-reduce of a few
+maximum and the minimum in one all-reduce: [Note: Agreement by extremes] in
+``runtime/checks/agreement.py``). That costs one all-reduce of a few
 bytes per group per backward, issued before the group's reduce-scatter and
 waited on after it, so that both share one synchronisation of the ranks; the
 mask is made to depend on the group's token's gradient, as the reduce-scatter
@@ -385,8 +386,9 @@ def _issue_used_check(
 ) -> torch.Tensor:
     """The all-reduce (over the first process group of the reduction) of this
     rank's used-mask and its negation: their maximum and minus their minimum
-    ([Note: Unused parameters under trace]). Run on every rank at every
-    backward, as the reduction's collectives are; after ``after`` where given."""
+    ([Note: Unused parameters under trace], [Note: Agreement by extremes]).
+    Run on every rank at every backward, as the reduction's collectives are;
+    after ``after`` where given."""
     mine = torch.tensor(used, dtype=torch.int32, device=reduction.device)
     if after is not None:
         mine = mine + _zero(after).to(torch.int32)

@@ -13,8 +13,9 @@ into another's rows where the sizes happen to match, and a collective of
 another size (gloo aborts the process, NCCL hangs or reads past the input)
 where they do not. So before its first reduce-scatter over a mesh in a
 backward, every rank all-reduces (MAX) a digest of the trainable sets of all
-the root's groups that reduce over that mesh, and its negation: one small
-collective per mesh per synced backward, read at once (on an accelerator the
+the root's groups that reduce over that mesh, and its negation ([Note:
+Agreement by extremes]): one small collective per mesh per synced backward,
+read at once (on an accelerator the
 host waits for it and for what that process group ran before it; the
 reduce-scatter stream it runs on holds nothing of this backward yet).
 Where the ranks differ, every rank sees it in the same result, gathers the
@@ -28,6 +29,28 @@ traced hooks a change after ``set_fullgraph_compile()`` on some ranks only
 sends those ranks to the eager hooks, whose collectives then differ from the
 others' ([Note: One decision for all ranks] compares the sets when it is
 called).
+
+[Note: Agreement by extremes]
+Whether every rank holds the same values (a digest, a mask) is asked with one
+all-reduce (MAX) of the values followed by their negation: the first half
+comes back as the values' maximum over the ranks, the second as minus their
+minimum, and the ranks agree exactly where the two halves are equal
+(``high == -low``). One collective of a few bytes, the same on every rank
+whatever it holds, and a result every rank reads alike, so that every rank
+takes the same branch (go on, or raise). Over several process groups (HSDP)
+the result is all-reduced over each in turn. Two checks ask it: the
+trainable sets here (``GradientAgreement.check_trainable``: a buffer made
+once and filled in place, so that nothing is allocated on the reduce-scatter
+stream, read on the host), and the traced backward's used-mask
+(``ops/traced.py``, [Note: Unused parameters under trace]: functional
+collectives, compared by ``torch._assert_async`` in the graph, as a traced
+backward cannot read a value on the host). The eager gradient agreement
+([Note: Gradient agreement] in gradients.py) asks another question, which
+parameters got a gradient on any rank (MAX of the flags alone), and a rank
+that had none for such a parameter reads the flags on the host and assigns its
+``.grad`` then; the traced backward cannot (which of its gradients are missing
+is fixed when its graph is traced, and it reads nothing on the host), so it
+asks whether the ranks' masks agree and raises where they do not.
 """
 
 from __future__ import annotations

@@ -72,7 +72,6 @@ that names it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -84,6 +83,7 @@ from torch.utils.checkpoint import (
 
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES
 from fsdp_rs.ops.traced import all_gather_rows, regathered, unshard_copy_out
+from fsdp_rs.planning import shapes_to_arrays
 from fsdp_rs.runtime.checks.agreement import first_difference
 from fsdp_rs.runtime.checks.plan_check import enabled as plan_check_enabled
 from fsdp_rs.runtime.checks.plan_check import (
@@ -123,10 +123,10 @@ class TracedGroup:
         replicas = info.replicate_group
         self.replicate_name = "" if replicas is None else replicas.group_name
         shapes, _ = group.sharding.unsharded_shapes(group)  # contiguous: a plain group's are
-        self.dims = [d for s in shapes for d in s]  # the op's flat form of the shapes
-        self.ranks = [len(s) for s in shapes]
+        ranks, dims = shapes_to_arrays(shapes)  # the flat form the planner takes too
+        self.dims, self.ranks = dims.tolist(), ranks.tolist()
         self.padded_numels = group.plan.padded_sharded_numel.tolist()
-        self.local_numels = [math.prod(size) for size in group.layout.sharded_sizes]
+        self.local_numels = group.layout.sharded_numels()
         self.tables = group.tables.copy_out_args()
         # [Note: DTensor parameters] what the module computes with, per parameter
         nd = group.nd or [None] * len(shapes)
@@ -139,25 +139,24 @@ class TracedGroup:
         self.trains = [p.requires_grad for p in group.sharded_params]
         self.trained = [i for i, t in enumerate(self.trains) if t]
         grad_layout = group.grad_layout_of(self.trained)
-        index = None if grad_layout is group.layout else self.trained
         self.grad_tables = list(grad_layout.tables.reduce_scatter_args())
         self.grad_row_numel = grad_layout.plan.row_numel
         self.grad_offsets = list(grad_layout.row_offsets)
         self.grad_numels = [self.local_numels[i] for i in self.trained]
-        self.grad_chunk_numel = group.sharding.chunks(group, index)
-        # (module, name, parameter index) of every registration slot
-        owner = {id(m._parameters): m for module in modules for m in module.modules()}
+        self.grad_chunk_numel = group.sharding.grad_chunks(group, grad_layout, self.trained)
+        # (module, name, parameter index) of every registration slot, read and
+        # written through the module while traced (the eager swap writes the
+        # same slots: [Note: Swapping registered parameters])
         managed = group.managed
-        self.slots = [
-            (owner[id(d)], name, i)
-            for d, name, i in zip(
-                managed.slot_dicts, managed.slot_names, managed.slot_index, strict=True
+        self.slots = list(
+            zip(
+                managed.slot_modules(modules),
+                managed.slot_names,
+                managed.slot_index,
+                strict=True,
             )
-        ]
-        first: dict[int, int] = {}
-        for k, (_, _, i) in enumerate(self.slots):
-            first.setdefault(i, k)
-        self.first_slots = [first[i] for i in range(len(first))]
+        )
+        self.first_slots = managed.first_slots()
         # [Note: Extensions under trace] the unshard of an extension group
         self.extension_gather = (
             extension_gather(self) if isinstance(group.gather, ExtensionGather) else None

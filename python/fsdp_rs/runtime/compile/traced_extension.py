@@ -7,11 +7,13 @@ Dynamo cannot call an extension's ``fsdp_pre_all_gather`` /
 no rule for. So such a group's unshard is one function that Dynamo puts in
 the graph as a single call (``torch._dynamo.allow_in_graph``) and AOT autograd
 traces op by op, running the extension's own Python on its fake tensors: the
-eager unshard's steps (each parameter's all-gather inputs, one byte buffer,
-the functional all-gather, each input's bytes back, ``fsdp_post_all_gather``
-without ``out=``), then ``_Bridge``, whose backward is the group's gradient
-reduction (``ops.traced.Reduction``) into the sharded local tensors, as the
-copy-out's formula is for a plain group. The reduction's flags are arguments
+eager unshard's steps, by its functions (each parameter's all-gather inputs,
+``inputs_of``; one byte buffer, ``pack``; the functional all-gather; each
+input's bytes back, ``unpack`` and ``as_output``, into fresh tensors where
+eager refills the ones it keeps; ``fsdp_post_all_gather`` without
+``out=``), then ``_Bridge``, whose backward is the group's gradient reduction
+(``ops.traced.Reduction``) into the sharded local tensors, as the copy-out's
+formula is for a plain group. The reduction's flags are arguments
 of the call, so that Dynamo guards on them as it does on a plain group's.
 
 AOT autograd rebuilds each local tensor from its inner tensors with its
@@ -32,8 +34,11 @@ from fsdp_rs.ops.traced import all_gather_rows, chained, reduction
 from fsdp_rs.runtime.variants.extensions import (
     POST_ALL_GATHER,
     PRE_ALL_GATHER,
+    as_output,
     has_extension,
+    pack,
     plain_grad,
+    unpack,
 )
 
 __all__ = ["extension_gather", "untraceable"]
@@ -119,17 +124,15 @@ def extension_gather(traced) -> Callable:
         with torch.no_grad():  # as the eager unshard
             inputs_of = group.gather.inputs_of
             per_param = [inputs_of(group, i, t, chunks[i]) for i, t in enumerate(local)]
-            inputs = [t for ins, _ in per_param for t in ins]
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
-            gathered = all_gather_rows(flat, world, traced.group_name)
-            unsharded, offset = [], 0
+            gathered = all_gather_rows(pack(per_param), world, traced.group_name)
+            unpacked = unpack(gathered, per_param)
+            unsharded = []
             for i, (ins, metadata) in enumerate(per_param):
-                outputs = []
-                for t in ins:
-                    nbytes = t.numel() * t.element_size()
-                    data = gathered[:, offset : offset + nbytes].contiguous().view(t.dtype)
-                    outputs.append(data.view(-1, *t.shape[1:]))
-                    offset += nbytes
+                # fresh tensors (functional), where eager refills the ones it keeps
+                outputs = [
+                    as_output(columns.contiguous().view(t.dtype), t)
+                    for t, columns in zip(ins, unpacked[i], strict=True)
+                ]
                 extension = getattr(local[i], POST_ALL_GATHER, None)
                 if extension is None:  # the all-gather output is the parameter's data
                     tensor = outputs[0]

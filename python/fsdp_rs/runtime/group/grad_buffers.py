@@ -37,7 +37,6 @@ later backward. Views held through a tensor weak reference are fixed first
 
 from __future__ import annotations
 
-import math
 import operator
 import sys
 import weakref
@@ -195,7 +194,7 @@ def sharded_buffers(
         if id(group) in found:
             continue
         layout, grad_layout = group.layout, group.grad_layout
-        numels = [math.prod(s) for s in layout.sharded_sizes]
+        numels = layout.sharded_numels()
         grad_offsets = [-1] * len(numels)
         if group._grad_index:
             for i, off in zip(group._grad_index, grad_layout.row_offsets, strict=True):

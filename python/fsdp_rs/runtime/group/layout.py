@@ -15,6 +15,7 @@ Layouts are held by their groups and dropped with the last of them.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -93,6 +94,10 @@ class GroupLayout:
             stride_of[shape] = tuple(strides[bounds[i] : bounds[i + 1]])
             size_of[shape] = tuple(sizes[bounds[i] : bounds[i + 1]])
         return list(map(stride_of.__getitem__, shapes)), list(map(size_of.__getitem__, shapes))
+
+    def sharded_numels(self) -> list[int]:
+        """This rank's shard of each parameter, in elements."""
+        return [math.prod(size) for size in self.sharded_sizes]
 
     def fill_columns(self) -> torch.Tensor:
         """Column in the row of every element of this rank's padded chunks laid

@@ -134,13 +134,32 @@ class ManagedParams:
         self.slot_index = slot_index
         # No shared parameters: slot k holds parameter k.
         self._one_slot_each = slot_index == list(range(len(slot_index)))
+        self._first_slots: list[int] | None = None
+
+    def first_slots(self) -> list[int]:
+        """The first slot of each parameter (``k`` with ``slot_index[k] == i``,
+        the lowest, for parameter ``i``), where its registered object is read;
+        made at the first call."""
+        if self._first_slots is None:
+            first: dict[int, int] = {}
+            for k, i in enumerate(self.slot_index):
+                first.setdefault(i, k)
+            self._first_slots = [first[i] for i in range(self.num_params)]
+        return self._first_slots
+
+    def slot_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module | None]:
+        """The module of each slot (whose ``_parameters`` is ``slot_dicts[k]``),
+        found among ``modules`` and their submodules (None: not there)."""
+        owner: dict[int, nn.Module] = {}
+        for root in modules:
+            for m in root.modules():
+                owner.setdefault(id(m._parameters), m)
+        return [owner.get(id(d)) for d in self.slot_dicts]
 
     def registered(self) -> list[torch.Tensor]:
         """The objects registered now, one per parameter (first slot of each)."""
-        first = {}
-        for d, name, i in zip(self.slot_dicts, self.slot_names, self.slot_index, strict=True):
-            first.setdefault(i, d[name])
-        return [first[i] for i in range(self.num_params)]
+        dicts, names = self.slot_dicts, self.slot_names
+        return [dicts[k][names[k]] for k in self.first_slots()]
 
     def forget_originals(self) -> None:
         """Drop the references to the original (unsharded) parameters once the

@@ -90,6 +90,12 @@ class Sharding(abc.ABC):
         copy-out kernel) of the params at ``index`` (None: all), or None where
         the copies take none."""
 
+    def grad_chunks(self, group, grad_layout, index: list[int]) -> torch.Tensor | None:
+        """``chunks`` of ``grad_layout``, the gradient layout of the trainable
+        params at ``index`` ([Note: Gradient layout]): the group's own table
+        where it is the group's layout."""
+        return self.chunks(group, None if grad_layout is group.layout else index)
+
 
 class Dim0Sharding(Sharding):
     """FSDP2's default: every parameter sharded on dim 0, planned in its own

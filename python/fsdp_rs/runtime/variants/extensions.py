@@ -80,10 +80,13 @@ __all__ = [
     "POST_ALL_GATHER",
     "PRE_ALL_GATHER",
     "ExtensionGather",
+    "as_output",
     "become_extension_group",
     "check_extensions",
     "has_extension",
+    "pack",
     "plain_grad",
+    "unpack",
 ]
 
 PRE_ALL_GATHER = "fsdp_pre_all_gather"
@@ -139,6 +142,36 @@ def plain_grad(grad: torch.Tensor | None) -> torch.Tensor | None:
     out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     out.copy_(grad)
     return out
+
+
+def pack(per_param: list[tuple[list[torch.Tensor], object]]) -> torch.Tensor:
+    """Every parameter's all-gather inputs (``ExtensionGather.inputs_of``'s, with
+    their metadata) back to back in one byte buffer: the inputs may have
+    several dtypes ([Note: All-gather extensions])."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for ins, _ in per_param for t in ins])
+
+
+def unpack(
+    gathered: torch.Tensor, per_param: list[tuple[list[torch.Tensor], object]]
+) -> list[list[torch.Tensor]]:
+    """Per parameter, the bytes of each of its inputs in ``gathered`` (``pack``'s
+    buffer all-gathered, world x its bytes): world x the input's bytes, in
+    ``uint8``."""
+    out, offset = [], 0
+    for ins, _ in per_param:
+        columns = []
+        for t in ins:
+            nbytes = t.numel() * t.element_size()
+            columns.append(gathered[:, offset : offset + nbytes])
+            offset += nbytes
+        out.append(columns)
+    return out
+
+
+def as_output(gathered: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """All-gather input ``t``'s output ``gathered`` (every rank's, in its
+    dtype) as ``fsdp_post_all_gather`` takes it: ``(world * rows, *rest)``."""
+    return gathered.view(-1, *t.shape[1:])
 
 
 def _dtype_carrier(group, locals_: list[torch.Tensor]) -> torch.Tensor:
@@ -247,14 +280,9 @@ class ExtensionGather(GatherStrategy):
         """The module registering each parameter (FSDP2 passes it to the
         pre-all-gather)."""
         if self.owners is None:
-            by_dict = {}
-            for root in group.modules:
-                for m in root.modules():
-                    by_dict.setdefault(id(m._parameters), m)
-            first: dict[int, nn.Module] = {}
-            for d, i in zip(group.managed.slot_dicts, group.managed.slot_index, strict=True):
-                first.setdefault(i, by_dict.get(id(d)))
-            self.owners = [first[i] for i in range(len(group.shapes))]
+            managed = group.managed
+            modules = managed.slot_modules(group.modules)
+            self.owners = [modules[k] for k in managed.first_slots()]
         return self.owners
 
     def inputs_of(self, group, i: int, local: torch.Tensor, chunk: int) -> tuple[list, object]:
@@ -296,9 +324,7 @@ class ExtensionGather(GatherStrategy):
                 self.inputs_of(group, i, p._local_tensor, chunk)
                 for i, (p, chunk) in enumerate(zip(group.sharded_params, chunk_rows, strict=True))
             ]
-            inputs = [t for ins, _ in per_param for t in ins]
-            # One byte buffer: the inputs may have several dtypes.
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+            flat = pack(per_param)
         if ag_stream is not None:
             ag_stream.wait_stream(copy_in_stream)
         comm = group.all_gather_comm  # [Note: Comm objects]
@@ -342,21 +368,15 @@ class ExtensionGather(GatherStrategy):
                 ]
                 self.inner = [[] for _ in per_param]
                 params: list[nn.Parameter] = []
-            offset = 0
             with torch.no_grad():
+                unpacked = unpack(gathered, per_param)
                 for i, (inputs, metadata) in enumerate(per_param):
                     outputs = self.outputs[i]
-                    for t, o in zip(inputs, outputs, strict=True):
-                        nbytes = t.numel() * t.element_size()
+                    for o, columns in zip(outputs, unpacked[i], strict=True):
                         _alloc(o)
                         with torch.autograd._unsafe_preserve_version_counter(o):
-                            o.view(world, -1).view(torch.uint8).copy_(
-                                gathered[:, offset : offset + nbytes]
-                            )
-                        offset += nbytes
-                    unflat = tuple(
-                        o.view(-1, *t.shape[1:]) for t, o in zip(inputs, outputs, strict=True)
-                    )
+                            o.view(world, -1).view(torch.uint8).copy_(columns)
+                    unflat = tuple(map(as_output, outputs, inputs))
                     local = group.sharded_params[i]._local_tensor
                     post = getattr(local, POST_ALL_GATHER, None)
                     if first:

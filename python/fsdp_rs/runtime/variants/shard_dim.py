@@ -159,9 +159,10 @@ class DimSharding(Sharding):
         # each gradient viewed as its planned (W, numel / W)
         world = group.info.shard_size
         grads = [None if g is None else g.reshape(world, -1) for g in grads]
-        index = None if group.grad_layout is group.layout else group._grad_index
-        args = group.grad_layout.tables.reduce_scatter_args()
-        group.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide, self.chunks(group, index))
+        grad_layout = group.grad_layout
+        chunks = self.grad_chunks(group, grad_layout, group._grad_index)
+        args = grad_layout.tables.reduce_scatter_args()
+        group.ops.reduce_scatter_copy_in(grads, rs_in, *args, divide, chunks)
 
 
 class ShardDimGroup(FSDPParamGroup):
