@@ -17,7 +17,12 @@ import torch
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from copy_oracle import rows_of, unsharded_of
 from fsdp_rs import plan_group
-from fsdp_rs.kernels import _cpu_index
+from fsdp_rs.kernels import (
+    _cpu_index,
+    all_gather_copy_out,
+    reduce_scatter_copy_in,
+    reduce_scatter_copy_in_flat,
+)
 from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
 from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
 from fsdp_rs.kernels.post_reduce import triton_post_reduce
@@ -46,12 +51,18 @@ TILE_NUMEL = 512
 
 # The CPU references copy by a cached element index, or per parameter when the
 # index does not fit the cache's budget ([Note: Cached CPU indices]).
-INDEX_MODES = ["cached_index", "per_param_copies"]
+# The CPU references' three paths: a cached index, and over the index budget
+# block copies, or the per-parameter loop where blocks do not apply ([Note:
+# Block copies]).
+INDEX_MODES = ["cached_index", "block_copies", "per_param_copies"]
 
 
 def _index_mode(monkeypatch, mode: str) -> None:
-    if mode == "per_param_copies":
+    if mode != "cached_index":
         monkeypatch.setattr(_cpu_index, "BUDGET", 0)
+    if mode == "per_param_copies":
+        for op in (all_gather_copy_out, reduce_scatter_copy_in, reduce_scatter_copy_in_flat):
+            monkeypatch.setattr(op, "row_blocks", lambda *args: None)
 
 
 def dtype_id(d: torch.dtype) -> str:

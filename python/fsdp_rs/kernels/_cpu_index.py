@@ -14,8 +14,9 @@ The cache holds at most ``BUDGET`` bytes in all: an index is about one
 unsharded buffer's worth of int32 per table set, memory torch FSDP2 does not
 spend, and building one uncached costs several times that for the moment of
 the copy. A table set whose index does not fit (the index functions return
-None) is copied per parameter instead, with strided copies and no index at all: as many ops as
-parameters, no memory beyond the copy's own, the same result bit for bit.
+None) is copied by blocks instead ([Note: Block copies] in ``_cpu_blocks.py``):
+one torch op over every parameter's ``[W, n]`` block and no index at all, no
+memory beyond the copy's own, the same result bit for bit.
 
 The cache is per process, shared by every model and by ranks that are threads
 of one process: one lock guards its writes and its byte count (a hit reads an

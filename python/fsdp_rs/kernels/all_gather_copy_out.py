@@ -46,6 +46,7 @@ from fsdp_rs.kernels._checks import (
     host_table,
     unsharded_extent,
 )
+from fsdp_rs.kernels._cpu_blocks import row_blocks
 from fsdp_rs.kernels._cpu_index import copy_out_index
 from fsdp_rs.kernels._dtypes import bits, is_copyable
 from fsdp_rs.kernels._triton import (
@@ -199,7 +200,13 @@ def torch_all_gather_copy_out(
             row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
         )
         flat = all_gather_output.view(-1)
-        if index is None:  # over the index budget: per parameter, its [W, n] block
+        if index is None:  # over the index budget: [Note: Block copies]
+            blocks = row_blocks(row_offsets, padded_numel, world_size, row_numel)
+            if blocks is not None:
+                views = blocks.views(out[0], unsharded_offsets.tolist())
+                outputs = blocks.interleave(views, blocks.scratch_gaps(all_gather_output))
+                torch.split_with_sizes_copy(all_gather_output, blocks.sizes(), dim=1, out=outputs)
+                return
             tables = (row_offsets.tolist(), unsharded_offsets.tolist(), padded_numel.tolist())
             for r, u, n in zip(*tables, strict=True):
                 block = out[0][u : u + world_size * n].view(world_size, n)

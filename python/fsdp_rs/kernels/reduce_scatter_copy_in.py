@@ -53,6 +53,7 @@ from fsdp_rs.kernels._checks import (
     is_none,
     param_numel,
 )
+from fsdp_rs.kernels._cpu_blocks import chunked_by_first_dim, row_blocks
 from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
 from fsdp_rs.kernels._triton import (
@@ -309,8 +310,9 @@ def torch_reduce_scatter_copy_in(
     if chunk_numel is not None:
         runs = chunk_runs(padded_numel.tolist(), chunk_numel, OP)
         _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs)
-    elif index is None:  # over the index budget
-        _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
+    elif index is None:  # over the index budget: [Note: Block copies]
+        if not _chunk_cat(grads, reduce_scatter_input, row_offsets, padded_numel, dtype):
+            _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
     else:
         _gather(grads, reduce_scatter_input, index, numels, dtype)
     if divide_factor != 1.0:
@@ -332,6 +334,29 @@ def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
         torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
     else:
         reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
+
+
+def _chunk_cat(grads, reduce_scatter_input, row_offsets, padded_numel, dtype) -> bool:
+    """Every gradient's ``W`` chunks into its columns (zeros past its end, and
+    for a missing one) and zeros into the gaps, by one ``_chunk_cat``; False
+    where the table set or the gradients do not allow it ([Note: Block
+    copies])."""
+    world_size, row_numel = reduce_scatter_input.shape
+    blocks = row_blocks(row_offsets, padded_numel, world_size, row_numel)
+    if blocks is None:
+        return False
+    if any(map(is_none, grads)):  # a missing one: zeros, as a flat block of W chunks
+        zero = torch.zeros((), dtype=dtype)
+        grads = [
+            zero.expand(world_size * n) if g is None else g
+            for g, n in zip(grads, blocks.padded, strict=True)
+        ]
+    if not chunked_by_first_dim(grads, blocks.padded, world_size):
+        return False
+    tensors = blocks.interleave(grads, blocks.zero_gaps(dtype, flat=True))
+    if tensors:
+        torch._chunk_cat(tensors, 0, world_size, out=reduce_scatter_input)
+    return True
 
 
 def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs=None) -> None:
