@@ -5,16 +5,18 @@ parameter's block, for table sets whose index is over the cache's budget.
 Without a cached index ([Note: Cached CPU indices]) a copy moves each
 parameter's ``[W, n]`` block on its own. Done as a Python loop that was four
 or five torch calls per parameter, the larger part of a step of a big group
-(``auto_shard``'s groups hold thousands of parameters: 20 us per parameter a
-step at 1e4). torch has the loop in C++: ``split_with_sizes_copy`` splits the
+(``auto_shard``'s groups hold thousands of parameters: 29 us per parameter a
+step at 1e4, 23 with blocks). torch has the loop in C++: ``split_with_sizes_copy`` splits the
 all-gather output's columns into per-parameter outputs (FSDP2's copy-out),
 ``cat`` along the columns writes them back into rows, and ``_chunk_cat``
 (FSDP2's reduce-scatter copy-in) cuts each gradient into ``W`` zero-padded
 chunks along its first dim and lays chunk ``r`` of every gradient into row
-``r``. What stays per parameter is C-level passes that make the blocks' views
-(``map`` over ``as_strided``, ``expand``), so the copies take no memory beyond
-their own, as the loop took none. The row's alignment gaps are blocks too:
-zeros read from an expanded scalar, or written to a scratch block and dropped.
+``r``. What stays per parameter is a C-level pass that makes the blocks'
+views (``map`` over ``as_strided``, about 1.5 us each, and torch's split copy
+costs about 2 us per output), so the copies take no memory beyond their own, as
+the loop took none. The row's alignment gaps are blocks too (one list entry
+per gap, made only where some gap has columns): zeros read from an expanded
+scalar, or written to a scratch block and dropped.
 ``_chunk_cat`` pads each gradient by its own first dim, which is the row
 layout's chunk wherever the plan chunked the parameter along dim 0 (every
 dim-0 group); a table set where that does not hold for every gradient, or
