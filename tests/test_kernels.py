@@ -17,17 +17,15 @@ import torch
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from copy_oracle import rows_of, unsharded_of
 from fsdp_rs import plan_group
-from fsdp_rs.kernels import (
-    _cpu_index,
-    all_gather_copy_out,
-    reduce_scatter_copy_in,
-    reduce_scatter_copy_in_flat,
-)
+from fsdp_rs.kernels import _cpu_index, _cpu_tiles
 from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
 from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
 from fsdp_rs.kernels.post_reduce import triton_post_reduce
 from fsdp_rs.kernels.reduce_scatter_copy_in import triton_reduce_scatter_copy_in
-from fsdp_rs.kernels.reduce_scatter_copy_in_flat import triton_reduce_scatter_copy_in_flat
+from fsdp_rs.kernels.reduce_scatter_copy_in_flat import (
+    torch_reduce_scatter_copy_in_flat,
+    triton_reduce_scatter_copy_in_flat,
+)
 from fsdp_rs.ops import GroupTables
 from fsdp_rs.planning import shapes_to_arrays
 
@@ -49,20 +47,22 @@ SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 TILE_NUMEL = 512
 
 
-# The CPU references copy by a cached element index, or per parameter when the
-# index does not fit the cache's budget ([Note: Cached CPU indices]).
-# The CPU references' three paths: a cached index, and over the index budget
-# block copies, or the per-parameter loop where blocks do not apply ([Note:
-# Block copies]).
-INDEX_MODES = ["cached_index", "block_copies", "per_param_copies"]
+# The CPU references' three paths: a cached element index ([Note: Cached CPU
+# indices]), and over the index budget the index built and dropped by runs of
+# parameters ([Note: Tiled indices]), or, for a parameter over a run's size,
+# one strided copy (forced for every parameter by a run size of 0). Runs of
+# 40 elements here, so that the test tables' runs cut between parameters and
+# some parameters are over a run alone.
+INDEX_MODES = ["cached_index", "tiled_index", "per_param_copies"]
 
 
 def _index_mode(monkeypatch, mode: str) -> None:
     if mode != "cached_index":
         monkeypatch.setattr(_cpu_index, "BUDGET", 0)
+    if mode == "tiled_index":
+        monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 40 * _cpu_tiles._BYTES_PER_ELEMENT)
     if mode == "per_param_copies":
-        for op in (all_gather_copy_out, reduce_scatter_copy_in, reduce_scatter_copy_in_flat):
-            monkeypatch.setattr(op, "row_blocks", lambda *args: None)
+        monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 0)
 
 
 def dtype_id(d: torch.dtype) -> str:
@@ -414,6 +414,45 @@ def test_cpu_index_cache_keeps_what_fits_and_refuses_the_rest(monkeypatch):
     args = other.copy_out_args()[:3]
     assert _cpu_index.reduce_scatter_buffer_index(*args, 2, plan.row_numel) is None
     assert index() is first  # a cached index stays served under a smaller budget
+
+
+@pytest.mark.parametrize("index", INDEX_MODES)
+def test_flat_copy_in_refuses_a_short_grad_buffer(monkeypatch, index):
+    """A checked call names a gradient buffer shorter than the tables place
+    gradients in, on every path (the tiled one reads the tables' extent only
+    for this check)."""
+    _index_mode(monkeypatch, index)
+    plan = make_plan([(3,), (5,), (2, 4)], 2, 0, torch.float32, torch.float32, torch.float32)
+    tables = GroupTables.from_plan(plan, torch.device("cpu"))
+    rs_in = torch.empty(2, plan.row_numel)
+    short = torch.zeros(plan.unsharded_numel - 1)
+    with pytest.raises(ValueError, match=r"grad_buffer has \d+ elements but the tables place"):
+        torch_reduce_scatter_copy_in_flat(short, rs_in, *tables.reduce_scatter_flat_args())
+
+
+def test_cpu_index_trusted_hits_share_the_entry():
+    """The runtime's trusted lookups ([Note: Trusted hits]) serve the entry a
+    checked call built and skip only the version comparison: a checked call
+    after the tables were written in place still gets a new index, which the
+    trusted ones then serve."""
+    plan = make_plan([(3,), (5,), (2, 4)], 2, 0, torch.float32, torch.float32, torch.float32)
+    tables = GroupTables.from_plan(plan, torch.device("cpu"))
+    args = tables.copy_out_args()[:3]
+
+    def index(trusted):
+        return _cpu_index.copy_out_index(
+            *args, 2, plan.row_numel, plan.unsharded_numel, trusted=trusted
+        )
+
+    first = index(trusted=False)
+    assert index(trusted=True) is first
+    args[0].add_(0)  # written in place: a trusted hit does not look
+    assert index(trusted=True) is first
+    rebuilt = index(trusted=False)  # a checked call does
+    assert rebuilt is not first
+    assert index(trusted=True) is rebuilt
+    for a, b in zip(rebuilt, first, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_cpu_index_cache_follows_its_tables():

@@ -12,11 +12,21 @@ are int32 when they fit (``index_select`` takes both).
 
 The cache holds at most ``BUDGET`` bytes in all: an index is about one
 unsharded buffer's worth of int32 per table set, memory torch FSDP2 does not
-spend, and building one uncached costs several times that for the moment of
-the copy. A table set whose index does not fit (the index functions return
-None) is copied by blocks instead ([Note: Block copies] in ``_cpu_blocks.py``):
-one torch op over every parameter's ``[W, n]`` block and no index at all, no
-memory beyond the copy's own, the same result bit for bit.
+spend, and building one whole uncached costs several times that for the
+moment of the copy. A table set whose index does not fit (the index functions
+return None) is copied by the same element pairs built and dropped a run of
+parameters at a time ([Note: Tiled indices] in ``_cpu_tiles.py``), within a
+bounded transient of index memory, the same result bit for bit.
+
+[Note: Trusted hits]
+A hit compares the tables' version counters with those the index was built
+from, which catches a caller that wrote its tables in place. The runtime's
+calls are trusted ([Note: Trusted calls] in ``ops/copies.py``): their tables
+are the plan's, checked once and never written, so their hits skip that
+comparison. It is most of a hit's cost in a step: the three tables are cold
+by the time a group runs again (about 6 of 10 us a lookup, three lookups per
+group and step, on a model of a thousand groups). The builders are functions
+of their arguments, not closures, so a hit makes no function object either.
 
 The cache is per process, shared by every model and by ranks that are threads
 of one process: one lock guards its writes and its byte count (a hit reads an
@@ -32,17 +42,21 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from fsdp_rs.kernels._checks import is_none
 from fsdp_rs.kernels._segments import segment_columns
 
 __all__ = [
     "BUDGET",
     "clear",
     "copy_out_index",
+    "element_pairs",
+    "flat_pairs",
+    "flattened",
     "gap_columns",
     "reduce_scatter_buffer_index",
     "reduce_scatter_flat_index",
@@ -77,23 +91,32 @@ def _evict(key: tuple) -> None:
             _held[0] -= _nbytes(entry[2])
 
 
-def _cached(tables: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], object], rows: int):
-    """The index ``build`` makes for ``tables``, cached; or None where it does
-    not fit the budget (``rows``: elements of the ``[W, S]`` buffer it spans,
-    so at least ``4 * rows`` bytes). A refusal is cached too, with the same
-    lifetime, so a table set takes one path for as long as it lives."""
+def _cached(
+    tables: tuple[torch.Tensor, ...],
+    extra: tuple,
+    rows: int,
+    trusted: bool,
+    build: Callable[..., object],
+    *args: object,
+):
+    """The index ``build(*args)`` makes for ``tables``, cached; or None where it
+    does not fit the budget (``rows``: elements of the ``[W, S]`` buffer it
+    spans, so at least ``4 * rows`` bytes). A refusal is cached too, with the
+    same lifetime, so a table set takes one path for as long as it lives.
+    ``trusted``: the runtime's tables ([Note: Trusted calls]), which nothing
+    writes in place, so a hit skips the version check ([Note: Trusted hits])."""
     key = (*map(id, tables), *extra)
-    versions = tuple(map(_VERSION, tables))
     # A hit needs no lock: entries are immutable tuples, replaced whole under it.
     # Nor an identity check: a key's ids are of live tables, since a table's
     # death evicts its entries (the weak references' callback) before its id
     # can be reused.
     hit = _CACHE.get(key)
-    if hit is not None and hit[1] == versions:
+    if hit is not None and (trusted or hit[1] == tuple(map(_VERSION, tables))):
         return hit[2]
+    versions = tuple(map(_VERSION, tables))
     with _LOCK:
         _evict(key)
-        index = build() if _held[0] + 4 * rows <= BUDGET else None
+        index = build(*args) if _held[0] + 4 * rows <= BUDGET else None
         if index is not None and _held[0] + _nbytes(index) > BUDGET:
             index = None
         refs = tuple(weakref.ref(t, lambda _, key=key: _evict(key)) for t in tables)
@@ -109,7 +132,7 @@ def _index_dtype(bound: int) -> torch.dtype:
     return torch.int32 if bound < 2**31 else torch.int64
 
 
-def _element_pairs(
+def element_pairs(
     row_offsets: torch.Tensor,
     unsharded_offsets: torch.Tensor,
     padded_numel: torch.Tensor,
@@ -134,27 +157,32 @@ def copy_out_index(
     world_size: int,
     row_numel: int,
     out_numel: int,
+    trusted: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """Where each unsharded element comes from in the flat all-gather output
     ``[W, S]``, as ``(dst, src)``: element ``dst[k]`` of the unsharded buffer
     receives element ``src[k]``. ``dst`` is None when it would be every element
     in order (the buffer has no alignment gaps), so that a single gather fills
-    it; the gaps are never written otherwise. None: over the budget."""
-
-    def build() -> tuple[torch.Tensor | None, torch.Tensor]:
-        src, dst = _element_pairs(
-            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
-        )
-        src_dtype = _index_dtype(world_size * row_numel)
-        if dst.numel() == out_numel:
-            index = torch.empty(out_numel, dtype=src_dtype)
-            index[dst] = src.to(src_dtype)
-            return None, index
-        return dst, src.to(src_dtype)
-
+    it; the gaps are never written otherwise. None: over the budget.
+    ``trusted``: see ``_cached``."""
     tables = (row_offsets, unsharded_offsets, padded_numel)
     key = ("copy_out", world_size, row_numel, out_numel)
-    return _cached(tables, key, build, world_size * row_numel)
+    return _cached(
+        tables, key, world_size * row_numel, trusted, _build_copy_out, *tables, world_size,
+        row_numel, out_numel,
+    )  # fmt: skip
+
+
+def _build_copy_out(
+    row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out_numel
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    src, dst = element_pairs(row_offsets, unsharded_offsets, padded_numel, world_size, row_numel)
+    src_dtype = _index_dtype(world_size * row_numel)
+    if dst.numel() == out_numel:
+        index = torch.empty(out_numel, dtype=src_dtype)
+        index[dst] = src.to(src_dtype)
+        return None, index
+    return dst, src.to(src_dtype)
 
 
 def reduce_scatter_flat_index(
@@ -163,26 +191,62 @@ def reduce_scatter_flat_index(
     numels: np.ndarray,
     world_size: int,
     row_numel: int,
+    trusted: bool = False,
 ) -> torch.Tensor | None:
     """``index[i]``: the element of the gradients flattened and concatenated
     (``numels[p]`` elements each, plus one zero at the end) that element ``i``
     of the reduce-scatter input ``[W, S]`` receives: chunk ``r`` of param ``p``
     is its elements ``[r * n, (r + 1) * n)``; padding and gaps point at the zero.
-    None: over the budget."""
-
-    def build() -> torch.Tensor:
-        seg, pos, cols = segment_columns(row_offsets, padded_numel)
-        numel = torch.from_numpy(numels)
-        zero = int(numels.sum())
-        start = torch.cumsum(numel, 0) - numel
-        within = torch.arange(world_size)[:, None] * padded_numel[seg] + pos
-        src = torch.where(within < numel[seg], start[seg] + within, zero)
-        index = torch.full((world_size, row_numel), zero, dtype=torch.int64)
-        index[:, cols] = src
-        return index.view(-1).to(_index_dtype(zero + 1))
-
+    None: over the budget. ``trusted``: see ``_cached``."""
     key = ("reduce_scatter_flat", world_size, row_numel, numels.tobytes())
-    return _cached((row_offsets, padded_numel), key, build, world_size * row_numel)
+    return _cached(
+        (row_offsets, padded_numel), key, world_size * row_numel, trusted, _build_flat,
+        row_offsets, padded_numel, numels, world_size, row_numel,
+    )  # fmt: skip
+
+
+def _build_flat(row_offsets, padded_numel, numels, world_size, row_numel) -> torch.Tensor:
+    dst, src = flat_pairs(row_offsets, padded_numel, numels, world_size, row_numel)
+    zero = int(numels.sum())
+    index = torch.full((world_size * row_numel,), zero, dtype=torch.int64)
+    index[dst.view(-1)] = src.view(-1)
+    return index.to(_index_dtype(zero + 1))
+
+
+def flat_pairs(
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    numels: np.ndarray,
+    world_size: int,
+    row_numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)``, both ``[W, columns]`` int64: element ``dst`` of the flat
+    reduce-scatter input ``[W, S]`` receives element ``src`` of the gradients
+    flattened and concatenated (``flattened``), or its last, zero element
+    past a gradient's end."""
+    seg, pos, cols = segment_columns(row_offsets, padded_numel)
+    numel = torch.from_numpy(numels)
+    start = torch.cumsum(numel, 0) - numel
+    ranks = torch.arange(world_size)[:, None]
+    within = ranks * padded_numel.to(torch.int64)[seg] + pos
+    src = torch.where(within < numel[seg], start[seg] + within, int(numels.sum()))
+    return cols + ranks * row_numel, src
+
+
+def flattened(
+    grads: Sequence[torch.Tensor | None], numels: np.ndarray, like: torch.Tensor, dtype
+) -> torch.Tensor:
+    """``grads`` flattened and concatenated, ``numels[p]`` zeros standing in for
+    a missing one, and one more zero at the end (what ``flat_pairs`` reads)."""
+    zero = like.new_zeros(1, dtype=dtype)
+    if any(map(is_none, grads)):
+        flat = [
+            zero.expand(n) if g is None else g.flatten()
+            for g, n in zip(grads, numels.tolist(), strict=True)
+        ]
+    else:
+        flat = list(map(torch.flatten, grads))
+    return torch.cat([*flat, zero])
 
 
 def reduce_scatter_buffer_index(
@@ -191,28 +255,32 @@ def reduce_scatter_buffer_index(
     padded_numel: torch.Tensor,
     world_size: int,
     row_numel: int,
+    trusted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """``(src, gaps, bound)`` for the reduce-scatter copy-in from a buffer laid out like
     the unsharded one: element ``i`` of the flat input ``[W, S]`` receives buffer
     element ``src[i]``, except the alignment-gap elements ``gaps`` (None when
     there are none), which are zeros; the buffer needs ``bound`` elements.
-    None: over the budget."""
-
-    def build() -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        dst, src = _element_pairs(
-            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
-        )
-        index = torch.zeros(world_size * row_numel, dtype=torch.int64)
-        index[dst] = src
-        gap = torch.ones(world_size * row_numel, dtype=torch.bool)
-        gap[dst] = False
-        gaps = gap.nonzero().view(-1) if bool(gap.any()) else None
-        bound = int(src.max()) + 1 if src.numel() else 0
-        return index.to(_index_dtype(bound)), gaps, bound
-
+    None: over the budget. ``trusted``: see ``_cached``."""
     tables = (row_offsets, unsharded_offsets, padded_numel)
     key = ("reduce_scatter_buffer", world_size, row_numel)
-    return _cached(tables, key, build, world_size * row_numel)
+    return _cached(
+        tables, key, world_size * row_numel, trusted, _build_buffer, *tables, world_size,
+        row_numel,
+    )  # fmt: skip
+
+
+def _build_buffer(
+    row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    dst, src = element_pairs(row_offsets, unsharded_offsets, padded_numel, world_size, row_numel)
+    index = torch.zeros(world_size * row_numel, dtype=torch.int64)
+    index[dst] = src
+    gap = torch.ones(world_size * row_numel, dtype=torch.bool)
+    gap[dst] = False
+    gaps = gap.nonzero().view(-1) if bool(gap.any()) else None
+    bound = int(src.max()) + 1 if src.numel() else 0
+    return index.to(_index_dtype(bound)), gaps, bound
 
 
 def gap_columns(row_offsets: list[int], padded: list[int], row_numel: int) -> list[tuple[int, int]]:

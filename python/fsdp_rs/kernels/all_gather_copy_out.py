@@ -46,8 +46,8 @@ from fsdp_rs.kernels._checks import (
     host_table,
     unsharded_extent,
 )
-from fsdp_rs.kernels._cpu_blocks import row_blocks
 from fsdp_rs.kernels._cpu_index import copy_out_index
+from fsdp_rs.kernels._cpu_tiles import copy_out_tiled
 from fsdp_rs.kernels._dtypes import bits, is_copyable
 from fsdp_rs.kernels._triton import (
     TL_DTYPES,
@@ -197,20 +197,12 @@ def torch_all_gather_copy_out(
         if checked:
             _check_buffer_size(out[0], unsharded_offsets, padded_numel, world_size)
         index = copy_out_index(
-            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel()
-        )
+            row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out[0].numel(),
+            trusted=not checked,
+        )  # fmt: skip
         flat = all_gather_output.view(-1)
-        if index is None:  # over the index budget: [Note: Block copies]
-            blocks = row_blocks(row_offsets, padded_numel, world_size, row_numel)
-            if blocks is not None:
-                views = blocks.views(out[0], unsharded_offsets.tolist())
-                outputs = blocks.interleave(views, blocks.scratch_gaps(all_gather_output))
-                torch.split_with_sizes_copy(all_gather_output, blocks.sizes(), dim=1, out=outputs)
-                return
-            tables = (row_offsets.tolist(), unsharded_offsets.tolist(), padded_numel.tolist())
-            for r, u, n in zip(*tables, strict=True):
-                block = out[0][u : u + world_size * n].view(world_size, n)
-                block.copy_(all_gather_output[:, r : r + n])
+        if index is None:  # over the index budget: [Note: Tiled indices]
+            copy_out_tiled(all_gather_output, out[0], row_offsets, unsharded_offsets, padded_numel)
         elif index[0] is None:
             torch.index_select(flat, 0, index[1], out=out[0])
         else:

@@ -53,8 +53,8 @@ from fsdp_rs.kernels._checks import (
     is_none,
     param_numel,
 )
-from fsdp_rs.kernels._cpu_blocks import chunked_by_first_dim, row_blocks
-from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_flat_index
+from fsdp_rs.kernels._cpu_index import flattened, gap_columns, reduce_scatter_flat_index
+from fsdp_rs.kernels._cpu_tiles import copy_in_tiled
 from fsdp_rs.kernels._dtypes import FLOAT_DTYPES, bits, is_copyable
 from fsdp_rs.kernels._triton import (
     f32_reciprocal,
@@ -301,7 +301,9 @@ def torch_reduce_scatter_copy_in(
     divided = reduce_scatter_input  # in its own dtype: [Note: Complex gradients]
     index = None
     if chunk_numel is None:
-        index = reduce_scatter_flat_index(row_offsets, padded_numel, numels, world_size, row_numel)
+        index = reduce_scatter_flat_index(
+            row_offsets, padded_numel, numels, world_size, row_numel, trusted=not checked
+        )
     if dtype == reduce_scatter_input.dtype and dtype not in FLOAT_DTYPES:
         # raw bits: the same copies of integer views ([Note: Raw copies])
         grads = [None if g is None else bits(g) for g in grads]
@@ -310,9 +312,10 @@ def torch_reduce_scatter_copy_in(
     if chunk_numel is not None:
         runs = chunk_runs(padded_numel.tolist(), chunk_numel, OP)
         _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs)
-    elif index is None:  # over the index budget: [Note: Block copies]
-        if not _chunk_cat(grads, reduce_scatter_input, row_offsets, padded_numel, dtype):
-            _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel)
+    elif index is None:  # over the index budget: [Note: Tiled indices]
+        copy_in_tiled(
+            grads, reduce_scatter_input, row_offsets, padded_numel, numels, dtype, _copy_one
+        )
     else:
         _gather(grads, reduce_scatter_input, index, numels, dtype)
     if divide_factor != 1.0:
@@ -322,41 +325,11 @@ def torch_reduce_scatter_copy_in(
 def _gather(grads, reduce_scatter_input, index, numels, dtype) -> None:
     """The gradients flattened and concatenated (zeros standing in for a missing
     one, one more zero at the end), gathered by ``index``."""
-    if any(map(is_none, grads)):
-        flat = [
-            reduce_scatter_input.new_zeros(n, dtype=dtype) if g is None else g.flatten()
-            for g, n in zip(grads, numels.tolist(), strict=True)
-        ]
-    else:
-        flat = list(map(torch.flatten, grads))
-    flat = torch.cat([*flat, reduce_scatter_input.new_zeros(1, dtype=dtype)])
+    flat = flattened(grads, numels, reduce_scatter_input, dtype)
     if flat.dtype == reduce_scatter_input.dtype:
         torch.index_select(flat, 0, index, out=reduce_scatter_input.view(-1))
     else:
         reduce_scatter_input.view(-1).copy_(flat.index_select(0, index))
-
-
-def _chunk_cat(grads, reduce_scatter_input, row_offsets, padded_numel, dtype) -> bool:
-    """Every gradient's ``W`` chunks into its columns (zeros past its end, and
-    for a missing one) and zeros into the gaps, by one ``_chunk_cat``; False
-    where the table set or the gradients do not allow it ([Note: Block
-    copies])."""
-    world_size, row_numel = reduce_scatter_input.shape
-    blocks = row_blocks(row_offsets, padded_numel, world_size, row_numel)
-    if blocks is None:
-        return False
-    if any(map(is_none, grads)):  # a missing one: zeros, as a flat block of W chunks
-        zero = torch.zeros((), dtype=dtype)
-        grads = [
-            zero.expand(world_size * n) if g is None else g
-            for g, n in zip(grads, blocks.padded, strict=True)
-        ]
-    if not chunked_by_first_dim(grads, blocks.padded, world_size):
-        return False
-    tensors = blocks.interleave(grads, blocks.zero_gaps(dtype, flat=True))
-    if tensors:
-        torch._chunk_cat(tensors, 0, world_size, out=reduce_scatter_input)
-    return True
 
 
 def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs=None) -> None:
@@ -371,19 +344,30 @@ def _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs
         if g is None:
             dst.zero_()
             continue
-        flat = g.reshape(-1)
         if runs is not None and n:
             pre, run = n // runs[p], runs[p]
-            dst.view(world_size, pre, run).copy_(flat.view(pre, world_size, run).transpose(0, 1))
+            flat = g.reshape(-1).view(pre, world_size, run)
+            dst.view(world_size, pre, run).copy_(flat.transpose(0, 1))
             continue
-        full, rest = divmod(flat.numel(), n) if n else (world_size, 0)
-        dst[:full].copy_(flat[: full * n].view(full, n))
-        if full < world_size:
-            dst[full, :rest].copy_(flat[full * n :])
-            dst[full, rest:].zero_()
-            dst[full + 1 :].zero_()
+        _copy_one(g, dst, n)
     for start, end in gap_columns(rows, padded, row_numel):
         reduce_scatter_input[:, start:end].zero_()
+
+
+def _copy_one(g: torch.Tensor | None, dst: torch.Tensor, n: int) -> None:
+    """One gradient's ``W`` chunks of ``n`` elements into its ``[W, n]``
+    columns ``dst``: zeros past its end, and for a missing one."""
+    if g is None:
+        dst.zero_()
+        return
+    world_size = dst.shape[0]
+    flat = g.reshape(-1)
+    full, rest = divmod(flat.numel(), n) if n else (world_size, 0)
+    dst[:full].copy_(flat[: full * n].view(full, n))
+    if full < world_size:
+        dst[full, :rest].copy_(flat[full * n :])
+        dst[full, rest:].zero_()
+        dst[full + 1 :].zero_()
 
 
 @jit

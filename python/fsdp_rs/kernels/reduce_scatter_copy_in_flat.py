@@ -23,8 +23,8 @@ from fsdp_rs.kernels._checks import (
     check_layout_tables,
     check_same_device,
 )
-from fsdp_rs.kernels._cpu_blocks import row_blocks
-from fsdp_rs.kernels._cpu_index import gap_columns, reduce_scatter_buffer_index
+from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
+from fsdp_rs.kernels._cpu_tiles import copy_in_flat_tiled
 from fsdp_rs.kernels._dtypes import bits
 from fsdp_rs.kernels._triton import (
     f32_reciprocal,
@@ -124,34 +124,26 @@ def torch_reduce_scatter_copy_in_flat(
     if grad_buffer.dtype == reduce_scatter_input.dtype:  # raw bits ([Note: Raw copies])
         grad_buffer, reduce_scatter_input = bits(grad_buffer), bits(reduce_scatter_input)
     index = reduce_scatter_buffer_index(
-        row_offsets, unsharded_offsets, padded_numel, world_size, row_numel
+        row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, trusted=not checked
     )
-    over_budget = index is None
-    if over_budget:  # [Note: Block copies]
-        ends = unsharded_offsets.cpu().numpy() + world_size * padded_numel.cpu().numpy()
-        needed = int(ends.max()) if len(ends) else 0
-    else:
-        src, gaps, needed = index
-    if checked and grad_buffer.numel() < needed:
-        raise ValueError(
-            f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
-            f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel elements"
+    if checked:
+        if index is None:  # the tables' extent, read only here: [Note: Trusted calls]
+            ends = unsharded_offsets.cpu().numpy() + world_size * padded_numel.cpu().numpy()
+            needed = int(ends.max()) if len(ends) else 0
+        else:
+            needed = index[2]
+        if grad_buffer.numel() < needed:
+            raise ValueError(
+                f"{OP}: grad_buffer has {grad_buffer.numel()} elements but the tables place "
+                f"gradients up to element {needed}; pass a buffer of plan.unsharded_numel "
+                "elements"
+            )
+    if index is None:  # over the index budget: [Note: Tiled indices]
+        copy_in_flat_tiled(
+            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel
         )
-    row = row_blocks(row_offsets, padded_numel, world_size, row_numel) if over_budget else None
-    if row is not None:
-        # each parameter's [W, n] block of the buffer into its columns, zeros
-        # into the gaps: one cat
-        views = row.views(grad_buffer, unsharded_offsets.tolist())
-        gaps = row.zero_gaps(grad_buffer.dtype, flat=False)
-        torch.cat(row.interleave(views, gaps), dim=1, out=reduce_scatter_input)
-    elif over_budget:  # rows out of parameter order: per parameter
-        rows, padded = row_offsets.tolist(), padded_numel.tolist()
-        for r, u, n in zip(rows, unsharded_offsets.tolist(), padded, strict=True):
-            block = grad_buffer[u : u + world_size * n].view(world_size, n)
-            reduce_scatter_input[:, r : r + n].copy_(block)
-        for start, end in gap_columns(rows, padded, row_numel):
-            reduce_scatter_input[:, start:end].zero_()
     else:
+        src, gaps, _ = index
         flat = reduce_scatter_input.view(-1)
         if grad_buffer.dtype == flat.dtype:
             torch.index_select(grad_buffer, 0, src, out=flat)
