@@ -86,6 +86,21 @@ class GradAssignment:
             return None, [None] * len(group._grad_index)
         return buffer, list(map(_DEREF, self.view_refs))
 
+    def whole(
+        self, group, current: list[torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, list] | None:
+        """The last reduction's gradient buffer and its views where each view is
+        alive and still its parameter's ``.grad`` (``current``: the ``.grad``s,
+        read here if None); else None ([Note: Whole gradient buffers]). A view
+        that died (its ``.grad`` cleared while a tensor on the buffer lives on)
+        is None, and so is its ``.grad``, which must not count as one."""
+        buffer, views = self.owned(group)
+        if buffer is None or any(map(is_none, views)):
+            return None
+        if current is None:
+            current = own_grads(group._grad_params)
+        return (buffer, views) if all(map(operator.is_, current, views)) else None
+
     def new_buffer(self, group) -> tuple[torch.Tensor, list]:
         """A sharded gradient buffer and a ``.grad`` DTensor view per trainable
         parameter, held weakly ([Note: Sharded gradient buffer]); the parked
@@ -161,17 +176,10 @@ class GradAssignment:
             current = own_grads(group._grad_params)
         if output.device != group.sharded.device:
             output = output.to(group.sharded.device)
-        buffer, views = self.owned(group)
         if all(had_grad):
-            # every view alive and still its parameter's .grad: a view that died
-            # (its .grad cleared while a tensor on the buffer lives on) is None,
-            # and so is its .grad, which must not count as in place
-            if (
-                buffer is not None
-                and not any(map(is_none, views))
-                and all(map(operator.is_, current, views))
-            ):
-                group.shard_ops.post_reduce(output, buffer, divide, True)
+            whole = self.whole(group, current)
+            if whole is not None:  # accumulated in place
+                group.shard_ops.post_reduce(output, whole[0], divide, True)
                 return
             if all(map(is_none, current)):
                 buffer, views = self.new_buffer(group)

@@ -73,17 +73,6 @@ def _group_of(t: torch.Tensor):
     return ref() if ref is not None else None
 
 
-def _whole(group) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """The group's gradient buffer and its views when each view is alive and
-    still its parameter's ``.grad`` ([Note: Whole gradient buffers])."""
-    buffer, views = group.grad_assign.owned(group)
-    if buffer is None or any(map(is_none, views)):
-        return None
-    # [Note: Reading fsdp-rs's own DTensors]
-    same = all(map(operator.is_, own_grads(group._grad_params), views))
-    return (buffer, views) if same else None
-
-
 @dataclass(frozen=True)
 class GradBuffer:
     """One group's sharded gradients as one tensor."""
@@ -111,7 +100,7 @@ def sharded_grad_buffers(
     for i, count in per_base.items():
         ref = getattr(first[i], "_fsdp_rs_group", None)
         group = ref() if ref is not None else None
-        found = _whole(group) if group is not None else None
+        found = group.grad_assign.whole(group) if group is not None else None
         # every view passed, once each (a gradient passed twice is scaled twice):
         # as many gradients view this buffer as it has views, and each view is one
         if (
@@ -170,7 +159,7 @@ class ShardedBuffer:
         """The group's gradient buffer when every trainable parameter's ``.grad``
         is its view ([Note: Whole gradient buffers]), else None."""
         group = self._group()
-        found = _whole(group) if group is not None else None
+        found = group.grad_assign.whole(group) if group is not None else None
         return found[0] if found is not None else None
 
 
@@ -225,7 +214,7 @@ def hold_grads(groups: Sequence) -> list:
     for group in groups:
         if group._parked is not None or group._holding is not None:
             continue
-        found = _whole(group)
+        found = group.grad_assign.whole(group)
         if found is not None:
             deque(map(_FIX_WEAKREF, found[1]), maxlen=0)
             group._holding = found

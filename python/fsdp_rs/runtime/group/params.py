@@ -75,14 +75,14 @@ def own_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """``get_grads`` of fsdp-rs's own DTensor parameters ([Note: Reading
     fsdp-rs's own DTensors])."""
     with _OWN():
-        return list(map(_get_grad, params))
+        return get_grads(params)
 
 
 def set_own_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """``set_grads`` of fsdp-rs's own DTensor parameters ([Note: Reading
     fsdp-rs's own DTensors])."""
     with _OWN():
-        deque(map(setattr, params, repeat("grad"), grads), maxlen=0)
+        set_grads(params, grads)
 
 
 def own_requires_grad(params: Sequence[torch.Tensor]) -> list[bool]:
