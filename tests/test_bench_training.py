@@ -108,6 +108,24 @@ def test_bench_step_linears(tmp_path: Path) -> None:
     )
 
 
+def test_bench_step_torch_max_params(tmp_path: Path) -> None:
+    """Above --torch-max-params torch FSDP2 is not timed: its fields are None
+    and its columns '-', while fsdp-rs and the auto column still are."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--params", "10", "--params", "30", "--block-params", "10"]
+    argv += ["--repeat", "1", "--world-size", "2", "--torch-max-params", "20"]
+    proc = _python(["-m", "fsdp_rs.bench", *argv, "--json", str(out)])
+    small, large = json.loads(out.read_text())
+    assert small["torch_s"] is not None and small["torch_step_s"] is not None
+    for field in ("torch_s", "torch_step_s", "torch_round_s", "torch_groups", "speedup"):
+        assert large[field] is None, field
+    assert large["round_speedups"] == []
+    assert large["fsdp_rs_s"] == pytest.approx(large["fsdp_rs_step_s"] - large["unsharded_step_s"])
+    assert large["fsdp_rs_auto_step_s"] is not None
+    last_row = proc.stdout.strip().splitlines()[-1].split()
+    assert last_row[0] == "30" and last_row[4] == "-"  # n_params, ..., torch ms
+
+
 def test_bench_step_default_rounds(tmp_path: Path) -> None:
     """Without --repeat, small models get the many rounds their noise needs."""
     out = tmp_path / "step.json"

@@ -18,6 +18,11 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PARAMS = (1_000, 10_000, 100_000, 1_000_000)
 STEP_DEFAULT_PARAMS = (1_000, 10_000, 100_000)
 INIT_TORCH_MAX_PARAMS = 100_000
+# torch FSDP2 in `bench step` by default only up to these N: its AdamW step over
+# DTensor parameters takes seconds a step above 1e3 (every round after the
+# sharding caches are emptied: [Note: One process, two libraries]), and its
+# forward + backward about 0.5 s a step at 1e4, minutes a round at 1e5.
+STEP_TORCH_MAX_PARAMS = {"adamw": 1_000, "none": 10_000}
 DEFAULT_BLOCK_PARAMS = 100
 DEFAULT_WORLD_SIZE = 8
 DEFAULT_REPEAT = 5
@@ -466,6 +471,16 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
         help="the step's optimizer: foreach AdamW, or none (forward + backward only)",
     )
     p.add_argument(
+        "--torch-max-params",
+        metavar="N",
+        type=positive_int,
+        help=(
+            "time torch FSDP2 only up to N parameters (its columns are '-' above); "
+            f"default: {STEP_TORCH_MAX_PARAMS['adamw']:.0e} with the AdamW step, "
+            f"{STEP_TORCH_MAX_PARAMS['none']:.0e} with --optimizer none"
+        ),
+    )
+    p.add_argument(
         "--repeat",
         metavar="K",
         type=positive_int,
@@ -513,7 +528,8 @@ def _run_training(args: argparse.Namespace) -> int:
             measure, measure_args = training.bench_step, (*model, args.repeat or default_rounds)
         options = {"seed": args.seed, "tp": args.tp}
         if args.bench == "step":
-            options.update(model=args.model, optimizer=args.optimizer)
+            cap = args.torch_max_params or STEP_TORCH_MAX_PARAMS[args.optimizer]
+            options.update(model=args.model, optimizer=args.optimizer, torch_too=n <= cap)
         with spawn.Pool(1) as worker:
             record = worker.apply(measure, measure_args, options)
         print(f"  N={n}: done", file=sys.stderr, flush=True)

@@ -53,6 +53,11 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _per(seconds: float | None, count: int) -> float | None:
+    """Microseconds per item (None stays None: a column not timed)."""
+    return None if seconds is None else seconds / count * 1e6
+
+
 def _us(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e6
 
@@ -200,8 +205,8 @@ def step_table(records: Sequence[Record]) -> str:
                 _fmt(r["fsdp_rs_s"] / n * 1e6, ".2f"),
                 _fmt(r["fsdp_rs_s"] / g * 1e6, ".1f"),
                 _fmt(_ms(r["torch_s"]), ".1f"),
-                _fmt(r["torch_s"] / n * 1e6, ".2f"),
-                _fmt(r["torch_s"] / torch_groups * 1e6, ".1f"),
+                _fmt(_per(r["torch_s"], n), ".2f"),
+                _fmt(_per(r["torch_s"], torch_groups), ".1f"),
                 _fmt(r["speedup"], ".1f"),
                 spread,
                 _fmt(_ms(r.get("fsdp_rs_auto_step_s")), ".1f"),

@@ -262,15 +262,17 @@ def bench_step(
     tp: int = 1,
     model: str = "blocks",
     optimizer: str = "adamw",
+    torch_too: bool = True,
 ) -> dict[str, Any]:
     """Median training-step seconds of the unsharded model, fsdp-rs, torch
-    FSDP2 and fsdp-rs grouped by ``auto_shard``; see [Note: Bookkeeping
-    overhead]."""
+    FSDP2 (if ``torch_too``; its fields are None otherwise) and fsdp-rs grouped
+    by ``auto_shard``; see [Note: Bookkeeping overhead]."""
     fake_process_group(world_size)
     _warm_up()
     dp_mesh, tp_mesh = meshes(world_size, tp)
+    libraries = LIBRARIES if torch_too else tuple(x for x in LIBRARIES if x != "torch")
     models, opts, groups = {}, {}, {}
-    for library in LIBRARIES:
+    for library in libraries:
         torch.manual_seed(seed)
         models[library] = MODELS[model](n_params, block_params, tp_mesh)
         if library != "unsharded":
@@ -290,10 +292,10 @@ def bench_step(
     step = {name: statistics.median(s) for name, s in samples.items()}
     rounds = {
         name: [a - b for a, b in zip(samples[name], samples["unsharded"], strict=True)]
-        for name in LIBRARIES[1:]
+        for name in libraries[1:]
     }
     fsdp_rs_s = statistics.median(rounds["fsdp_rs"])
-    torch_s = statistics.median(rounds["torch"])
+    torch_s = statistics.median(rounds["torch"]) if torch_too else None
     auto_s = statistics.median(rounds["fsdp_rs_auto"])
     record = _record("step", n_params, world_size, block_params, tp)
     if model == "linears":
@@ -306,20 +308,22 @@ def bench_step(
         "repeat": repeat,
         "unsharded_step_s": step["unsharded"],
         "fsdp_rs_step_s": step["fsdp_rs"],
-        "torch_step_s": step["torch"],
+        "torch_step_s": step.get("torch"),
         "fsdp_rs_auto_step_s": step["fsdp_rs_auto"],
         "auto_groups": groups["fsdp_rs_auto"],
-        "torch_groups": groups["torch"],
+        "torch_groups": groups.get("torch"),
         "fsdp_rs_s": fsdp_rs_s,
         "torch_s": torch_s,
         "fsdp_rs_auto_s": auto_s,
-        "speedup": torch_s / fsdp_rs_s if fsdp_rs_s > 0 else None,
+        "speedup": torch_s / fsdp_rs_s if torch_s is not None and fsdp_rs_s > 0 else None,
         # per round, to show the machine's noise: the overheads and their ratio
         "fsdp_rs_round_s": rounds["fsdp_rs"],
-        "torch_round_s": rounds["torch"],
+        "torch_round_s": rounds.get("torch"),
         "fsdp_rs_auto_round_s": rounds["fsdp_rs_auto"],
         "round_speedups": [
             t / f if f > 0 else None
             for f, t in zip(rounds["fsdp_rs"], rounds["torch"], strict=True)
-        ],
+        ]
+        if torch_too
+        else [],
     }
