@@ -17,11 +17,17 @@ import torch
 import fsdp_rs.ops  # noqa: F401  (registers torch.ops.fsdp_rs)
 from copy_oracle import rows_of, unsharded_of
 from fsdp_rs import plan_group
-from fsdp_rs.kernels import _cpu_index, _cpu_tiles
+from fsdp_rs.kernels import (
+    _cpu_index,
+    _cpu_tiles,
+    all_gather_copy_out,
+    reduce_scatter_copy_in,
+    reduce_scatter_copy_in_flat,
+)
 from fsdp_rs.kernels.all_gather_copy_in import triton_all_gather_copy_in
 from fsdp_rs.kernels.all_gather_copy_out import triton_all_gather_copy_out
 from fsdp_rs.kernels.post_reduce import triton_post_reduce
-from fsdp_rs.kernels.reduce_scatter_copy_in import triton_reduce_scatter_copy_in
+from fsdp_rs.kernels.reduce_scatter_copy_in import _copy_one, triton_reduce_scatter_copy_in
 from fsdp_rs.kernels.reduce_scatter_copy_in_flat import (
     torch_reduce_scatter_copy_in_flat,
     triton_reduce_scatter_copy_in_flat,
@@ -40,6 +46,12 @@ CASES = {
     "huge_and_tiny": [(61, 257)] + [(1 + i % 3, 2) for i in range(40)],
 }
 WORLD_SIZES = [1, 2, 3, 8]
+# where the references look up a whole table set's cached index
+WHOLE_INDEX_FUNCTIONS = [
+    (all_gather_copy_out, "copy_out_index"),
+    (reduce_scatter_copy_in_flat, "reduce_scatter_buffer_index"),
+    (reduce_scatter_copy_in, "reduce_scatter_flat_index"),
+]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # Small tiles so the big params span many tiles and the tiny ones leave blocks
@@ -47,19 +59,23 @@ SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 TILE_NUMEL = 512
 
 
-# The CPU references' three paths: a cached element index ([Note: Cached CPU
-# indices]), and over the index budget the index built and dropped by runs of
-# parameters ([Note: Tiled indices]), or, for a parameter over a run's size,
-# one strided copy (forced for every parameter by a run size of 0). Runs of
-# 40 elements here, so that the test tables' runs cut between parameters and
+# The CPU references' paths: a cached element index ([Note: Cached CPU
+# indices]), and where the whole index is refused, the patterns of repeating
+# runs of parameters ([Note: Repeating runs]), or the index built and dropped
+# by runs ([Note: Tiled indices]), or, for a parameter over a run's size, one
+# strided copy (forced for every parameter by a run size of 0). Runs of 40
+# elements here, so that the test tables' runs cut between parameters and
 # some parameters are over a run alone.
-INDEX_MODES = ["cached_index", "tiled_index", "per_param_copies"]
+INDEX_MODES = ["cached_index", "repeating_runs", "tiled_index", "per_param_copies"]
 
 
 def _index_mode(monkeypatch, mode: str) -> None:
-    if mode != "cached_index":
+    if mode == "repeating_runs":  # the whole indices refused, the patterns kept
+        for module, name in WHOLE_INDEX_FUNCTIONS:
+            monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+    elif mode != "cached_index":
         monkeypatch.setattr(_cpu_index, "BUDGET", 0)
-    if mode == "tiled_index":
+    if mode in ("repeating_runs", "tiled_index"):
         monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 40 * _cpu_tiles._BYTES_PER_ELEMENT)
     if mode == "per_param_copies":
         monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 0)
@@ -567,3 +583,70 @@ def test_reduce_scatter_copy_in_triton_reads_strided_and_refuses_bad_gradients()
     wrong_device = [grads[0], None, grads[2].to(other)]
     with pytest.raises(ValueError, match=f"gradient 2 is on {other}"):
         triton_reduce_scatter_copy_in(wrong_device, tri, *args)
+
+
+def _periodic_tables(world_size: int, gapped: bool):
+    """A head over a run's size, a body of one block repeated and a tail: the
+    rows back to back with a 2-element gap after each block, the buffer in
+    order or (``gapped``) with a gap of 3 before every parameter."""
+    block = [5, 2, 3]  # padded chunk elements of the body's parameters
+    padded = [50] + block * 12 + [7]
+    rows, outs, r, u = [], [], 0, 0
+    for p, n in enumerate(padded):
+        u += 3 if gapped else 0
+        rows.append(r)
+        outs.append(u)
+        r += n + (2 if p % 3 == 0 else 0)
+        u += world_size * n
+    rows, outs, padded = (torch.tensor(xs, dtype=torch.int64) for xs in (rows, outs, padded))
+    return rows, outs, padded, r, u
+
+
+@pytest.mark.parametrize("gapped", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_repeating_runs_copy_each_element_once(monkeypatch, world_size, gapped):
+    """[Note: Repeating runs]: a table set whose body repeats is copied by its
+    runs' patterns (a head, the body's, a tail), element for element what the
+    tables say, both ways, with the buffer's gaps left alone."""
+    monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 40 * _cpu_tiles._BYTES_PER_ELEMENT)
+    rows, outs, padded, row_numel, out_numel = _periodic_tables(world_size, gapped)
+    for kind in ("copy_out", "copy_in"):
+        found = _cpu_tiles.repeating_runs(kind, rows, outs, padded, world_size, row_numel)
+        assert found is not None, kind
+        run_list, patterns = found
+        assert len(patterns) <= 3 < len(run_list) and run_list[0][3] == -1  # the head alone
+    ag = torch.randn(world_size, row_numel)
+    out = torch.full((out_numel,), -1.0)
+    _cpu_tiles.copy_out_tiled(ag, out, rows, outs, padded)
+    expected = torch.full((out_numel,), -1.0)
+    for r, u, n in zip(rows.tolist(), outs.tolist(), padded.tolist(), strict=True):
+        expected[u : u + world_size * n] = ag[:, r : r + n].reshape(-1)
+    assert torch.equal(out, expected)
+    buffer = torch.randn(out_numel)
+    rs_in = torch.full((world_size, row_numel), -1.0)
+    _cpu_tiles.copy_in_flat_tiled(buffer, rs_in, rows, outs, padded)
+    expected = torch.zeros(world_size, row_numel)  # the gaps: zeros
+    for r, u, n in zip(rows.tolist(), outs.tolist(), padded.tolist(), strict=True):
+        expected[:, r : r + n] = buffer[u : u + world_size * n].view(world_size, n)
+    assert torch.equal(rs_in, expected)
+    # from separate gradients: one short of its padded size each, one missing
+    numels = world_size * padded.numpy() - 1
+    grads = [torch.randn(int(k)) for k in numels]
+    grads[7] = None
+    assert _cpu_tiles.repeating_list_runs(rows, padded, numels, world_size, row_numel) is not None
+    rs_in.fill_(-1.0)
+    _cpu_tiles.copy_in_tiled(grads, rs_in, rows, padded, numels, torch.float32, _copy_one)
+    expected.zero_()
+    for g, r, n in zip(grads, rows.tolist(), padded.tolist(), strict=True):
+        if g is not None:
+            expected[:, r : r + n] = torch.cat([g, g.new_zeros(1)]).view(world_size, n)
+    assert torch.equal(rs_in, expected)
+
+
+def test_repeating_runs_refuse_tables_that_do_not_repeat(monkeypatch):
+    """Distinct parameters all the way: no patterns kept (the tiles copy it)."""
+    monkeypatch.setattr(_cpu_tiles, "TILE_BYTES", 40 * _cpu_tiles._BYTES_PER_ELEMENT)
+    padded = torch.arange(1, 30, dtype=torch.int64)
+    offsets = torch.cumsum(padded, 0) - padded
+    rows = int(padded.sum())
+    assert _cpu_tiles.repeating_runs("copy_out", offsets, 2 * offsets, padded, 2, rows) is None

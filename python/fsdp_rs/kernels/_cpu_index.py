@@ -52,12 +52,15 @@ from fsdp_rs.kernels._segments import segment_columns
 
 __all__ = [
     "BUDGET",
+    "cached",
     "clear",
     "copy_out_index",
     "element_pairs",
     "flat_pairs",
     "flattened",
     "gap_columns",
+    "held_bytes",
+    "index_dtype",
     "reduce_scatter_buffer_index",
     "reduce_scatter_flat_index",
 ]
@@ -76,6 +79,12 @@ def clear() -> None:
         _held[0] = 0
 
 
+def held_bytes() -> int:
+    """Bytes the cache holds now (read under its lock by a builder, which
+    ``cached`` runs inside it)."""
+    return _held[0]
+
+
 def _nbytes(index: object) -> int:
     if isinstance(index, torch.Tensor):
         return index.numel() * index.element_size()
@@ -91,7 +100,7 @@ def _evict(key: tuple) -> None:
             _held[0] -= _nbytes(entry[2])
 
 
-def _cached(
+def cached(
     tables: tuple[torch.Tensor, ...],
     extra: tuple,
     rows: int,
@@ -128,7 +137,7 @@ def _cached(
 _VERSION = operator.attrgetter("_version")
 
 
-def _index_dtype(bound: int) -> torch.dtype:
+def index_dtype(bound: int) -> torch.dtype:
     return torch.int32 if bound < 2**31 else torch.int64
 
 
@@ -164,10 +173,10 @@ def copy_out_index(
     receives element ``src[k]``. ``dst`` is None when it would be every element
     in order (the buffer has no alignment gaps), so that a single gather fills
     it; the gaps are never written otherwise. None: over the budget.
-    ``trusted``: see ``_cached``."""
+    ``trusted``: see ``cached``."""
     tables = (row_offsets, unsharded_offsets, padded_numel)
     key = ("copy_out", world_size, row_numel, out_numel)
-    return _cached(
+    return cached(
         tables, key, world_size * row_numel, trusted, _build_copy_out, *tables, world_size,
         row_numel, out_numel,
     )  # fmt: skip
@@ -177,7 +186,7 @@ def _build_copy_out(
     row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, out_numel
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     src, dst = element_pairs(row_offsets, unsharded_offsets, padded_numel, world_size, row_numel)
-    src_dtype = _index_dtype(world_size * row_numel)
+    src_dtype = index_dtype(world_size * row_numel)
     if dst.numel() == out_numel:
         index = torch.empty(out_numel, dtype=src_dtype)
         index[dst] = src.to(src_dtype)
@@ -197,9 +206,9 @@ def reduce_scatter_flat_index(
     (``numels[p]`` elements each, plus one zero at the end) that element ``i``
     of the reduce-scatter input ``[W, S]`` receives: chunk ``r`` of param ``p``
     is its elements ``[r * n, (r + 1) * n)``; padding and gaps point at the zero.
-    None: over the budget. ``trusted``: see ``_cached``."""
+    None: over the budget. ``trusted``: see ``cached``."""
     key = ("reduce_scatter_flat", world_size, row_numel, numels.tobytes())
-    return _cached(
+    return cached(
         (row_offsets, padded_numel), key, world_size * row_numel, trusted, _build_flat,
         row_offsets, padded_numel, numels, world_size, row_numel,
     )  # fmt: skip
@@ -210,7 +219,7 @@ def _build_flat(row_offsets, padded_numel, numels, world_size, row_numel) -> tor
     zero = int(numels.sum())
     index = torch.full((world_size * row_numel,), zero, dtype=torch.int64)
     index[dst.view(-1)] = src.view(-1)
-    return index.to(_index_dtype(zero + 1))
+    return index.to(index_dtype(zero + 1))
 
 
 def flat_pairs(
@@ -261,10 +270,10 @@ def reduce_scatter_buffer_index(
     the unsharded one: element ``i`` of the flat input ``[W, S]`` receives buffer
     element ``src[i]``, except the alignment-gap elements ``gaps`` (None when
     there are none), which are zeros; the buffer needs ``bound`` elements.
-    None: over the budget. ``trusted``: see ``_cached``."""
+    None: over the budget. ``trusted``: see ``cached``."""
     tables = (row_offsets, unsharded_offsets, padded_numel)
     key = ("reduce_scatter_buffer", world_size, row_numel)
-    return _cached(
+    return cached(
         tables, key, world_size * row_numel, trusted, _build_buffer, *tables, world_size,
         row_numel,
     )  # fmt: skip
@@ -280,7 +289,7 @@ def _build_buffer(
     gap[dst] = False
     gaps = gap.nonzero().view(-1) if bool(gap.any()) else None
     bound = int(src.max()) + 1 if src.numel() else 0
-    return index.to(_index_dtype(bound)), gaps, bound
+    return index.to(index_dtype(bound)), gaps, bound
 
 
 def gap_columns(row_offsets: list[int], padded: list[int], row_numel: int) -> list[tuple[int, int]]:

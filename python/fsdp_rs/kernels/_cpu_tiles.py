@@ -29,12 +29,224 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fsdp_rs.kernels._cpu_index import element_pairs, flat_pairs, flattened
+from fsdp_rs.kernels import _cpu_index
+from fsdp_rs.kernels._cpu_index import element_pairs, flat_pairs, flattened, index_dtype
 
-__all__ = ["TILE_BYTES", "copy_in_flat_tiled", "copy_in_tiled", "copy_out_tiled", "runs"]
+__all__ = [
+    "PATTERN_NUMEL",
+    "TILE_BYTES",
+    "copy_in_flat_tiled",
+    "copy_in_tiled",
+    "copy_out_tiled",
+    "repeating_list_runs",
+    "repeating_runs",
+    "runs",
+]
 
 TILE_BYTES = 1 << 20  # transient index bytes a run may take
 _BYTES_PER_ELEMENT = 48  # int64 index tensors alive together per element of a run
+PATTERN_NUMEL = 1 << 13  # elements of a repeating run at most ([Note: Repeating runs])
+_MAX_PERIOD = 1024  # parameters in the longest repetition looked for
+_INT64 = 8
+
+# [Note: Repeating runs]
+# A group of many parameters is mostly the same few shapes over and over (the
+# blocks of a model, which ``auto_shard`` puts in one group), and then its
+# tables repeat too: cut into runs of a whole number of repetitions, most runs
+# have the same element pairs relative to their first parameter's row and
+# buffer offsets. So where the whole index is over the budget, the runs'
+# distinct patterns of pairs are kept instead (``repeating_runs``: a few
+# thousand elements each, a head, the body and a tail), and each run is one
+# ``index_select`` (and, where its block of the buffer has gaps, one
+# ``index_copy_``) on views at its offsets: no index arithmetic per call. The
+# patterns are found by content (each run's relative tables), so a run that
+# does not repeat has a pattern of its own and the result is the tiled copy's,
+# bit for bit; a table set with more distinct runs than repeated ones, or
+# whose patterns do not fit the budget, is copied by tiles. A 10,000-parameter
+# group (W = 8, 856,000 elements): a copy-out took 9.7 ms by tiles and about
+# 1 ms this way.
+
+
+def _period(*columns: np.ndarray) -> int | None:
+    """The smallest shift (up to ``_MAX_PERIOD``) under which every column
+    equals itself for at least 90% of its length: a body of repeated blocks,
+    whatever comes before and after it; None where there is none."""
+    count = min(map(len, columns))
+    for q in range(1, min(_MAX_PERIOD, count // 2) + 1):
+        if all(np.count_nonzero(c[q:] == c[:-q]) * 10 >= 9 * (len(c) - q) for c in columns):
+            return q
+    return None
+
+
+def repeating_runs(
+    kind: str,
+    row_offsets: torch.Tensor,
+    unsharded_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    world_size: int,
+    row_numel: int,
+    trusted: bool = False,
+) -> tuple[tuple, tuple] | None:
+    """``(runs, patterns)`` of [Note: Repeating runs], cached with the tables
+    (``trusted``: [Note: Trusted hits]), or None: copy by tiles. Each run is
+    ``(row, buffer, numel, k)``: its first parameter's column in the rows and
+    offset in the unsharded-layout buffer, its elements, and its pattern
+    ``patterns[k] = (dst, src)`` relative to those offsets, sorted by buffer
+    position (``k = -1``: one parameter over a run's size, copied by one
+    strided copy; ``numel`` is then its padded chunk). ``kind`` "copy_out":
+    ``src`` the rows' positions (int32 where they fit), ``dst`` the buffer's
+    (int64); "copy_in": ``src`` the buffer's, ``dst`` the rows' (int64). The
+    buffer's side is None where it is every element of the run's block in
+    order."""
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    limit = min(PATTERN_NUMEL, TILE_BYTES // _BYTES_PER_ELEMENT)
+    key = ("repeating_runs", kind, world_size, row_numel, limit)
+    return _cpu_index.cached(
+        tables, key, 0, trusted, _build_repeating, kind, *tables, world_size, row_numel, limit
+    )
+
+
+def _build_repeating(
+    kind, row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, limit
+) -> tuple[tuple, tuple] | None:
+    rows = np.asarray(row_offsets.cpu().numpy(), dtype=np.int64)
+    outs = np.asarray(unsharded_offsets.cpu().numpy(), dtype=np.int64)
+    padded = np.asarray(padded_numel.cpu().numpy(), dtype=np.int64)
+    sizes = world_size * padded
+    count = len(sizes)
+    if count < 4 or limit <= 0:
+        return None
+    q = _period(sizes, np.diff(rows), np.diff(outs))
+    if q is None:
+        return None
+    big = sizes > limit  # each its own run, one strided copy (as by tiles)
+    ends = np.concatenate(([0], np.cumsum(np.where(big, 0, sizes))))
+    widest = int((ends[q:] - ends[:-q]).max())  # small elements of q parameters in a row
+    step = q * (limit // max(widest, 1))
+    if step == 0:
+        return None
+    src_bytes = index_dtype(world_size * row_numel).itemsize
+    found: dict[tuple, int] = {}
+    firsts: list[tuple[int, int, bool]] = []
+    run_list, held = [], 0
+    for a, b in _segments(big, step):
+        if b == a + 1 and big[a]:
+            run_list.append((int(rows[a]), int(outs[a]), int(padded[a]), -1))
+            continue
+        numel = int(ends[b] - ends[a])
+        rel_out = outs[a:b] - outs[a]
+        shape = (sizes[a:b].tobytes(), (rows[a:b] - rows[a]).tobytes(), rel_out.tobytes())
+        k = found.get(shape)
+        if k is None:
+            k = found[shape] = len(firsts)
+            in_order = bool(np.array_equal(rel_out, ends[a:b] - ends[a]))
+            firsts.append((a, b, in_order))
+            if kind == "copy_out":
+                held += numel * (src_bytes + (0 if in_order else _INT64))
+            else:
+                held += numel * (_INT64 + (0 if in_order else _INT64))
+        run_list.append((int(rows[a]), int(outs[a]), numel, k))
+    indexed = len(run_list) - int(np.count_nonzero(big))
+    if 2 * len(firsts) > indexed or _cpu_index.held_bytes() + held > _cpu_index.BUDGET:
+        return None
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    patterns = tuple(
+        _pattern(kind, *tables, a, b, in_order, world_size, row_numel) for a, b, in_order in firsts
+    )
+    return tuple(run_list), patterns
+
+
+def repeating_list_runs(
+    row_offsets: torch.Tensor,
+    padded_numel: torch.Tensor,
+    numels: np.ndarray,
+    world_size: int,
+    row_numel: int,
+    trusted: bool = False,
+) -> tuple[tuple, tuple] | None:
+    """``repeating_runs`` of the reduce-scatter copy-in from separate gradients
+    (``numels[p]`` elements each): runs ``(row, a, b, k)`` of parameters
+    ``[a, b)``, and ``patterns[k] = (dst, src)`` of ``flat_pairs`` over the run's
+    gradients ``flattened``, ``dst`` relative to ``row`` (``k = -1``: one
+    parameter over a run's size, copied alone)."""
+    tables = (row_offsets, padded_numel)
+    limit = min(PATTERN_NUMEL, TILE_BYTES // _BYTES_PER_ELEMENT)
+    key = ("repeating_list_runs", world_size, row_numel, limit, numels.tobytes())
+    return _cpu_index.cached(
+        tables, key, 0, trusted, _build_list, *tables, numels, world_size, row_numel, limit
+    )
+
+
+def _build_list(row_offsets, padded_numel, numels, world_size, row_numel, limit):
+    rows = np.asarray(row_offsets.cpu().numpy(), dtype=np.int64)
+    padded = np.asarray(padded_numel.cpu().numpy(), dtype=np.int64)
+    sizes = world_size * padded
+    count = len(sizes)
+    if count < 4 or limit <= 0:
+        return None
+    q = _period(sizes, np.diff(rows), numels)
+    if q is None:
+        return None
+    big = sizes > limit
+    ends = np.concatenate(([0], np.cumsum(np.where(big, 0, sizes))))
+    widest = int((ends[q:] - ends[:-q]).max())
+    step = q * (limit // max(widest, 1))
+    if step == 0:
+        return None
+    src_bytes = index_dtype(int(numels.sum()) + 1).itemsize
+    found: dict[tuple, int] = {}
+    firsts: list[tuple[int, int]] = []
+    run_list, held = [], 0
+    for a, b in _segments(big, step):
+        if b == a + 1 and big[a]:
+            run_list.append((int(rows[a]), a, b, -1))
+            continue
+        shape = (sizes[a:b].tobytes(), (rows[a:b] - rows[a]).tobytes(), numels[a:b].tobytes())
+        k = found.get(shape)
+        if k is None:
+            k = found[shape] = len(firsts)
+            firsts.append((a, b))
+            held += int(ends[b] - ends[a]) * (_INT64 + src_bytes)
+        run_list.append((int(rows[a]), a, b, k))
+    indexed = len(run_list) - int(np.count_nonzero(big))
+    if 2 * len(firsts) > indexed or _cpu_index.held_bytes() + held > _cpu_index.BUDGET:
+        return None
+    patterns = []
+    for a, b in firsts:
+        counts = numels[a:b]
+        dst, src = flat_pairs(
+            row_offsets[a:b] - row_offsets[a], padded_numel[a:b], counts, world_size, row_numel
+        )
+        patterns.append((dst.reshape(-1), src.reshape(-1).to(index_dtype(int(counts.sum()) + 1))))
+    return tuple(run_list), tuple(patterns)
+
+
+def _segments(big: np.ndarray, step: int):
+    """``(a, b)``: each big parameter alone, and the parameters between them in
+    runs of ``step`` from the first after each big one (so that the runs of a
+    repeated body line up with its repetitions)."""
+    start = 0
+    for p in [*np.flatnonzero(big).tolist(), len(big)]:
+        for a in range(start, p, step):
+            yield a, min(a + step, p)
+        if p < len(big):
+            yield p, p + 1
+        start = p + 1
+
+
+def _pattern(kind, row_offsets, unsharded_offsets, padded_numel, a, b, in_order, world_size,
+             row_numel) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """The element pairs of parameters ``[a, b)`` relative to parameter ``a``'s
+    offsets, sorted by buffer position (see ``repeating_runs``)."""
+    flat, buffer = element_pairs(
+        row_offsets[a:b] - row_offsets[a], unsharded_offsets[a:b] - unsharded_offsets[a],
+        padded_numel[a:b], world_size, row_numel,
+    )  # fmt: skip
+    order = torch.argsort(buffer)
+    flat, buffer = flat[order], buffer[order]
+    if kind == "copy_in":
+        return flat, (None if in_order else buffer)
+    return (None if in_order else buffer), flat.to(index_dtype(world_size * row_numel))
 
 
 def runs(padded_numel: torch.Tensor, world_size: int) -> list[tuple[int, int, bool]]:
@@ -63,11 +275,29 @@ def copy_out_tiled(
     row_offsets: torch.Tensor,
     unsharded_offsets: torch.Tensor,
     padded_numel: torch.Tensor,
+    trusted: bool = False,
 ) -> None:
     """Every parameter's ``W`` chunks from its columns of the all-gather output
-    into its block of the flat ``out`` (the cached index's copy, by runs)."""
+    into its block of the flat ``out`` (the cached index's copy, by repeating
+    runs or by tiles)."""
     world_size, row_numel = all_gather_output.shape
     flat = all_gather_output.view(-1)
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    repeating = repeating_runs("copy_out", *tables, world_size, row_numel, trusted)
+    if repeating is not None:  # [Note: Repeating runs]
+        run_list, patterns = repeating
+        for row, at, numel, k in run_list:
+            if k < 0:  # a big parameter: numel is its padded chunk
+                out[at : at + world_size * numel].view(world_size, numel).copy_(
+                    all_gather_output[:, row : row + numel]
+                )
+                continue
+            dst, src = patterns[k]
+            if dst is None:
+                torch.index_select(flat[row:], 0, src, out=out[at : at + numel])
+            else:
+                out[at:].index_copy_(0, dst, flat[row:].index_select(0, src))
+        return
     for a, b, indexed in runs(padded_numel, world_size):
         if indexed:
             src, dst = element_pairs(
@@ -92,6 +322,7 @@ def copy_in_flat_tiled(
     row_offsets: torch.Tensor,
     unsharded_offsets: torch.Tensor,
     padded_numel: torch.Tensor,
+    trusted: bool = False,
 ) -> None:
     """Every parameter's ``W`` chunks from its block of the flat gradient buffer
     into its columns of the reduce-scatter input, zeros into the gaps (cast to
@@ -99,6 +330,20 @@ def copy_in_flat_tiled(
     world_size, row_numel = reduce_scatter_input.shape
     _zero_gaps(reduce_scatter_input, padded_numel)
     flat = reduce_scatter_input.view(-1)
+    tables = (row_offsets, unsharded_offsets, padded_numel)
+    repeating = repeating_runs("copy_in", *tables, world_size, row_numel, trusted)
+    if repeating is not None:  # [Note: Repeating runs]
+        run_list, patterns = repeating
+        for row, at, numel, k in run_list:
+            if k < 0:  # a big parameter: numel is its padded chunk
+                block = grad_buffer[at : at + world_size * numel].view(world_size, numel)
+                reduce_scatter_input[:, row : row + numel].copy_(block)
+                continue
+            dst, src = patterns[k]
+            block = grad_buffer[at:]
+            values = block[:numel] if src is None else block.index_select(0, src)
+            flat[row:].index_copy_(0, dst, values.to(flat.dtype))
+        return
     for a, b, indexed in runs(padded_numel, world_size):
         if indexed:
             dst, src = element_pairs(
@@ -119,6 +364,7 @@ def copy_in_tiled(
     numels: np.ndarray,
     dtype: torch.dtype,
     copy_one,
+    trusted: bool = False,
 ) -> None:
     """Every gradient's ``W`` chunks of ``n`` elements into its columns (zeros
     past its end, and for a missing one, whose stand-in has ``numels[p]``
@@ -127,6 +373,20 @@ def copy_in_tiled(
     world_size, row_numel = reduce_scatter_input.shape
     _zero_gaps(reduce_scatter_input, padded_numel)
     flat = reduce_scatter_input.view(-1)
+    repeating = repeating_list_runs(
+        row_offsets, padded_numel, numels, world_size, row_numel, trusted
+    )
+    if repeating is not None:  # [Note: Repeating runs]
+        run_list, patterns = repeating
+        for row, a, b, k in run_list:
+            if k < 0:
+                n = int(padded_numel[a])
+                copy_one(grads[a], reduce_scatter_input[:, row : row + n], n)
+                continue
+            dst, src = patterns[k]
+            values = flattened(grads[a:b], numels[a:b], reduce_scatter_input, dtype)
+            flat[row:].index_copy_(0, dst, values.index_select(0, src).to(flat.dtype))
+        return
     for a, b, indexed in runs(padded_numel, world_size):
         part = grads[a:b]
         if not indexed:

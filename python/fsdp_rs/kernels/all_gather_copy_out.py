@@ -202,7 +202,8 @@ def torch_all_gather_copy_out(
         )  # fmt: skip
         flat = all_gather_output.view(-1)
         if index is None:  # over the index budget: [Note: Tiled indices]
-            copy_out_tiled(all_gather_output, out[0], row_offsets, unsharded_offsets, padded_numel)
+            tables = (row_offsets, unsharded_offsets, padded_numel)
+            copy_out_tiled(all_gather_output, out[0], *tables, trusted=not checked)
         elif index[0] is None:
             torch.index_select(flat, 0, index[1], out=out[0])
         else:

@@ -314,8 +314,9 @@ def torch_reduce_scatter_copy_in(
         _copy_per_param(grads, reduce_scatter_input, row_offsets, padded_numel, runs)
     elif index is None:  # over the index budget: [Note: Tiled indices]
         copy_in_tiled(
-            grads, reduce_scatter_input, row_offsets, padded_numel, numels, dtype, _copy_one
-        )
+            grads, reduce_scatter_input, row_offsets, padded_numel, numels, dtype, _copy_one,
+            trusted=not checked,
+        )  # fmt: skip
     else:
         _gather(grads, reduce_scatter_input, index, numels, dtype)
     if divide_factor != 1.0:

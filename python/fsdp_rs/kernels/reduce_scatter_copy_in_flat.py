@@ -140,8 +140,9 @@ def torch_reduce_scatter_copy_in_flat(
             )
     if index is None:  # over the index budget: [Note: Tiled indices]
         copy_in_flat_tiled(
-            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel
-        )
+            grad_buffer, reduce_scatter_input, row_offsets, unsharded_offsets, padded_numel,
+            trusted=not checked,
+        )  # fmt: skip
     else:
         src, gaps, _ = index
         flat = reduce_scatter_input.view(-1)
