@@ -14,9 +14,10 @@ The cache holds at most ``BUDGET`` bytes in all: an index is about one
 unsharded buffer's worth of int32 per table set, memory torch FSDP2 does not
 spend, and building one whole uncached costs several times that for the
 moment of the copy. A table set whose index does not fit (the index functions
-return None) is copied by the same element pairs built and dropped a run of
-parameters at a time ([Note: Tiled indices] in ``_cpu_tiles.py``), within a
-bounded transient of index memory, the same result bit for bit.
+return None) is copied by the cached patterns of its runs of parameters
+where they repeat ([Note: Repeating runs]), else by the same element pairs
+built and dropped a run at a time ([Note: Tiled indices]), both in
+``_cpu_tiles.py``, within a bounded index memory, the same result bit for bit.
 
 [Note: Trusted hits]
 A hit compares the tables' version counters with those the index was built
