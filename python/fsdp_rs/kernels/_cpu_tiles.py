@@ -106,17 +106,19 @@ def repeating_runs(
     )
 
 
-def _build_repeating(
-    kind, row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, limit
-) -> tuple[tuple, tuple] | None:
-    rows = np.asarray(row_offsets.cpu().numpy(), dtype=np.int64)
-    outs = np.asarray(unsharded_offsets.cpu().numpy(), dtype=np.int64)
-    padded = np.asarray(padded_numel.cpu().numpy(), dtype=np.int64)
-    sizes = world_size * padded
+def _cut(fixed: list[np.ndarray], relative: list[np.ndarray], limit: int):
+    """``(runs, firsts, ends)``, or None where the tables do not repeat: runs
+    ``(a, b, k)`` of parameters (``k = -1``: a parameter of more than ``limit``
+    elements alone; else the index of the run's shape in ``firsts``, the
+    first run of each), and the running count of elements (big parameters'
+    not counted). A run's shape is its ``fixed`` columns (``fixed[0]``: the
+    elements of each parameter) and its ``relative`` ones less their value at
+    its first parameter."""
+    sizes = fixed[0]
     count = len(sizes)
     if count < 4 or limit <= 0:
         return None
-    q = _period(sizes, np.diff(rows), np.diff(outs))
+    q = _period(*fixed, *map(np.diff, relative))
     if q is None:
         return None
     big = sizes > limit  # each its own run, one strided copy (as by tiles)
@@ -125,35 +127,62 @@ def _build_repeating(
     step = q * (limit // max(widest, 1))
     if step == 0:
         return None
-    src_bytes = index_dtype(world_size * row_numel).itemsize
     found: dict[tuple, int] = {}
-    firsts: list[tuple[int, int, bool]] = []
-    run_list, held = [], 0
+    firsts: list[tuple[int, int]] = []
+    cut = []
     for a, b in _segments(big, step):
         if b == a + 1 and big[a]:
-            run_list.append((int(rows[a]), int(outs[a]), int(padded[a]), -1))
+            cut.append((a, b, -1))
             continue
-        numel = int(ends[b] - ends[a])
-        rel_out = outs[a:b] - outs[a]
-        shape = (sizes[a:b].tobytes(), (rows[a:b] - rows[a]).tobytes(), rel_out.tobytes())
-        k = found.get(shape)
-        if k is None:
-            k = found[shape] = len(firsts)
-            in_order = bool(np.array_equal(rel_out, ends[a:b] - ends[a]))
-            firsts.append((a, b, in_order))
-            if kind == "copy_out":
-                held += numel * (src_bytes + (0 if in_order else _INT64))
-            else:
-                held += numel * (_INT64 + (0 if in_order else _INT64))
-        run_list.append((int(rows[a]), int(outs[a]), numel, k))
-    indexed = len(run_list) - int(np.count_nonzero(big))
-    if 2 * len(firsts) > indexed or _cpu_index.held_bytes() + held > _cpu_index.BUDGET:
+        shape = (*(c[a:b].tobytes() for c in fixed), *((c[a:b] - c[a]).tobytes() for c in relative))
+        k = found.setdefault(shape, len(firsts))
+        if k == len(firsts):
+            firsts.append((a, b))
+        cut.append((a, b, k))
+    if 2 * len(firsts) > len(cut) - int(np.count_nonzero(big)):
+        return None  # more distinct runs than repeated ones
+    return cut, firsts, ends
+
+
+def _fits(held: int) -> bool:
+    """Whether ``held`` more bytes fit the index cache's budget (read under its
+    lock: the builders run inside ``cached``)."""
+    return _cpu_index.held_bytes() + held <= _cpu_index.BUDGET
+
+
+def _host(table: torch.Tensor) -> np.ndarray:
+    return np.asarray(table.cpu().numpy(), dtype=np.int64)
+
+
+def _build_repeating(
+    kind, row_offsets, unsharded_offsets, padded_numel, world_size, row_numel, limit
+) -> tuple[tuple, tuple] | None:
+    rows, outs, padded = _host(row_offsets), _host(unsharded_offsets), _host(padded_numel)
+    found = _cut([world_size * padded], [rows, outs], limit)
+    if found is None:
+        return None
+    cut, firsts, ends = found
+    # the buffer's side is every element in order where the run's blocks are back to back
+    in_order = [bool(np.array_equal(outs[a:b] - outs[a], ends[a:b] - ends[a])) for a, b in firsts]
+    # kept always: the rows' side (int32 where it fits, for a copy-out's index_select);
+    # the buffer's side (int64) only where it is not in order
+    rows_side = index_dtype(world_size * row_numel).itemsize if kind == "copy_out" else _INT64
+    held = sum(
+        int(ends[b] - ends[a]) * (rows_side + (0 if o else _INT64))
+        for (a, b), o in zip(firsts, in_order, strict=True)
+    )
+    if not _fits(held):
         return None
     tables = (row_offsets, unsharded_offsets, padded_numel)
     patterns = tuple(
-        _pattern(kind, *tables, a, b, in_order, world_size, row_numel) for a, b, in_order in firsts
+        _pattern(kind, *tables, a, b, o, world_size, row_numel)
+        for (a, b), o in zip(firsts, in_order, strict=True)
     )
-    return tuple(run_list), patterns
+    run_list = tuple(
+        (int(rows[a]), int(outs[a]), int(padded[a]) if k < 0 else int(ends[b] - ends[a]), k)
+        for a, b, k in cut
+    )
+    return run_list, patterns
 
 
 def repeating_list_runs(
@@ -178,38 +207,13 @@ def repeating_list_runs(
 
 
 def _build_list(row_offsets, padded_numel, numels, world_size, row_numel, limit):
-    rows = np.asarray(row_offsets.cpu().numpy(), dtype=np.int64)
-    padded = np.asarray(padded_numel.cpu().numpy(), dtype=np.int64)
-    sizes = world_size * padded
-    count = len(sizes)
-    if count < 4 or limit <= 0:
+    rows, padded = _host(row_offsets), _host(padded_numel)
+    found = _cut([world_size * padded, numels], [rows], limit)
+    if found is None:
         return None
-    q = _period(sizes, np.diff(rows), numels)
-    if q is None:
-        return None
-    big = sizes > limit
-    ends = np.concatenate(([0], np.cumsum(np.where(big, 0, sizes))))
-    widest = int((ends[q:] - ends[:-q]).max())
-    step = q * (limit // max(widest, 1))
-    if step == 0:
-        return None
+    cut, firsts, ends = found
     src_bytes = index_dtype(int(numels.sum()) + 1).itemsize
-    found: dict[tuple, int] = {}
-    firsts: list[tuple[int, int]] = []
-    run_list, held = [], 0
-    for a, b in _segments(big, step):
-        if b == a + 1 and big[a]:
-            run_list.append((int(rows[a]), a, b, -1))
-            continue
-        shape = (sizes[a:b].tobytes(), (rows[a:b] - rows[a]).tobytes(), numels[a:b].tobytes())
-        k = found.get(shape)
-        if k is None:
-            k = found[shape] = len(firsts)
-            firsts.append((a, b))
-            held += int(ends[b] - ends[a]) * (_INT64 + src_bytes)
-        run_list.append((int(rows[a]), a, b, k))
-    indexed = len(run_list) - int(np.count_nonzero(big))
-    if 2 * len(firsts) > indexed or _cpu_index.held_bytes() + held > _cpu_index.BUDGET:
+    if not _fits(sum(int(ends[b] - ends[a]) * (_INT64 + src_bytes) for a, b in firsts)):
         return None
     patterns = []
     for a, b in firsts:
@@ -218,7 +222,7 @@ def _build_list(row_offsets, padded_numel, numels, world_size, row_numel, limit)
             row_offsets[a:b] - row_offsets[a], padded_numel[a:b], counts, world_size, row_numel
         )
         patterns.append((dst.reshape(-1), src.reshape(-1).to(index_dtype(int(counts.sum()) + 1))))
-    return tuple(run_list), tuple(patterns)
+    return tuple((int(rows[a]), a, b, k) for a, b, k in cut), tuple(patterns)
 
 
 def _segments(big: np.ndarray, step: int):
