@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from fsdp_rs.kernels import _cpu_index
+from fsdp_rs.kernels._checks import host_table
 from fsdp_rs.kernels._cpu_index import element_pairs, flat_pairs, flattened, index_dtype
 
 __all__ = [
@@ -99,11 +100,17 @@ def repeating_runs(
     buffer's side is None where it is every element of the run's block in
     order."""
     tables = (row_offsets, unsharded_offsets, padded_numel)
-    limit = min(PATTERN_NUMEL, TILE_BYTES // _BYTES_PER_ELEMENT)
+    limit = _pattern_limit()
     key = ("repeating_runs", kind, world_size, row_numel, limit)
     return _cpu_index.cached(
         tables, key, 0, trusted, _build_repeating, kind, *tables, world_size, row_numel, limit
     )
+
+
+def _pattern_limit() -> int:
+    """Elements of a repeating run at most: ``PATTERN_NUMEL``, and no more than
+    a tile's."""
+    return min(PATTERN_NUMEL, TILE_BYTES // _BYTES_PER_ELEMENT)
 
 
 def _cut(fixed: list[np.ndarray], relative: list[np.ndarray], limit: int):
@@ -151,7 +158,9 @@ def _fits(held: int) -> bool:
 
 
 def _host(table: torch.Tensor) -> np.ndarray:
-    return np.asarray(table.cpu().numpy(), dtype=np.int64)
+    """A table's values on the host, as int64 (what the arithmetic and the
+    shapes' bytes are taken in)."""
+    return np.asarray(host_table(table), dtype=np.int64)
 
 
 def _build_repeating(
@@ -199,7 +208,7 @@ def repeating_list_runs(
     gradients ``flattened``, ``dst`` relative to ``row`` (``k = -1``: one
     parameter over a run's size, copied alone)."""
     tables = (row_offsets, padded_numel)
-    limit = min(PATTERN_NUMEL, TILE_BYTES // _BYTES_PER_ELEMENT)
+    limit = _pattern_limit()
     key = ("repeating_list_runs", world_size, row_numel, limit, numels.tobytes())
     return _cpu_index.cached(
         tables, key, 0, trusted, _build_list, *tables, numels, world_size, row_numel, limit
@@ -258,7 +267,7 @@ def runs(padded_numel: torch.Tensor, world_size: int) -> list[tuple[int, int, bo
     ``TILE_BYTES // 48`` elements (``W * n`` each) copied by an index
     (``indexed``), or one parameter over that, copied by one strided copy."""
     limit = TILE_BYTES // _BYTES_PER_ELEMENT
-    sizes = world_size * np.asarray(padded_numel.cpu().numpy(), dtype=np.int64)
+    sizes = world_size * _host(padded_numel)
     count = len(sizes)
     if count == 0:
         return []
@@ -271,6 +280,21 @@ def runs(padded_numel: torch.Tensor, world_size: int) -> list[tuple[int, int, bo
     edges = np.unique(np.concatenate(([0, count], cuts, bigs, bigs + 1)))
     starts, ends = edges[:-1].tolist(), edges[1:].tolist()
     return [(a, b, not (b - a == 1 and bool(big[a]))) for a, b in zip(starts, ends, strict=True)]
+
+
+def _block_out(all_gather_output, out, row: int, at: int, n: int) -> None:
+    """One parameter's ``[W, n]`` columns at ``row`` into its block of ``out``
+    at ``at``: one strided copy."""
+    world_size = all_gather_output.shape[0]
+    out[at : at + world_size * n].view(world_size, n).copy_(all_gather_output[:, row : row + n])
+
+
+def _block_in(grad_buffer, reduce_scatter_input, row: int, at: int, n: int) -> None:
+    """One parameter's block of ``grad_buffer`` at ``at`` into its ``[W, n]``
+    columns at ``row``: one strided copy."""
+    world_size = reduce_scatter_input.shape[0]
+    block = grad_buffer[at : at + world_size * n].view(world_size, n)
+    reduce_scatter_input[:, row : row + n].copy_(block)
 
 
 def copy_out_tiled(
@@ -292,9 +316,7 @@ def copy_out_tiled(
         run_list, patterns = repeating
         for row, at, numel, k in run_list:
             if k < 0:  # a big parameter: numel is its padded chunk
-                out[at : at + world_size * numel].view(world_size, numel).copy_(
-                    all_gather_output[:, row : row + numel]
-                )
+                _block_out(all_gather_output, out, row, at, numel)
                 continue
             dst, src = patterns[k]
             if dst is None:
@@ -310,7 +332,7 @@ def copy_out_tiled(
             out.index_copy_(0, dst, flat.index_select(0, src))
         else:
             r, u, n = int(row_offsets[a]), int(unsharded_offsets[a]), int(padded_numel[a])
-            out[u : u + world_size * n].view(world_size, n).copy_(all_gather_output[:, r : r + n])
+            _block_out(all_gather_output, out, r, u, n)
 
 
 def _zero_gaps(reduce_scatter_input: torch.Tensor, padded_numel: torch.Tensor) -> None:
@@ -340,8 +362,7 @@ def copy_in_flat_tiled(
         run_list, patterns = repeating
         for row, at, numel, k in run_list:
             if k < 0:  # a big parameter: numel is its padded chunk
-                block = grad_buffer[at : at + world_size * numel].view(world_size, numel)
-                reduce_scatter_input[:, row : row + numel].copy_(block)
+                _block_in(grad_buffer, reduce_scatter_input, row, at, numel)
                 continue
             dst, src = patterns[k]
             block = grad_buffer[at:]
@@ -356,8 +377,7 @@ def copy_in_flat_tiled(
             flat.index_copy_(0, dst, grad_buffer.index_select(0, src).to(flat.dtype))
         else:
             r, u, n = int(row_offsets[a]), int(unsharded_offsets[a]), int(padded_numel[a])
-            block = grad_buffer[u : u + world_size * n].view(world_size, n)
-            reduce_scatter_input[:, r : r + n].copy_(block)
+            _block_in(grad_buffer, reduce_scatter_input, r, u, n)
 
 
 def copy_in_tiled(

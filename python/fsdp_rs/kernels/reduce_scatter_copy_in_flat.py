@@ -22,6 +22,7 @@ from fsdp_rs.kernels._checks import (
     check_divide_factor,
     check_layout_tables,
     check_same_device,
+    unsharded_extent,
 )
 from fsdp_rs.kernels._cpu_index import reduce_scatter_buffer_index
 from fsdp_rs.kernels._cpu_tiles import copy_in_flat_tiled
@@ -128,8 +129,7 @@ def torch_reduce_scatter_copy_in_flat(
     )
     if checked:
         if index is None:  # the tables' extent, read only here: [Note: Trusted calls]
-            ends = unsharded_offsets.cpu().numpy() + world_size * padded_numel.cpu().numpy()
-            needed = int(ends.max()) if len(ends) else 0
+            needed = unsharded_extent(unsharded_offsets, padded_numel, world_size)
         else:
             needed = index[2]
         if grad_buffer.numel() < needed:
