@@ -53,6 +53,8 @@ def test_bench_init(tmp_path: Path) -> None:
     assert first["bench"] == "init" and first["n_params"] == 40 and first["world_size"] == 8
     assert first["groups"] == 5 and first["fsdp_rs_s"] > 0 and first["torch_s"] > 0
     assert first["speedup"] == pytest.approx(first["torch_s"] / first["fsdp_rs_s"])
+    assert first["floor_s"] > 0 and second["floor_s"] > 0  # [Note: The floor]
+    assert "floor s" in proc.stdout
     # above --torch-max-params torch FSDP2 is not timed
     assert second["n_params"] == 300 and second["torch_s"] is None and second["speedup"] is None
 
@@ -68,6 +70,7 @@ def test_bench_init_and_step_2d(tmp_path: Path) -> None:
         (record,) = json.loads(out.read_text())
         assert record["tp"] == 2 and record["world_size"] == 4
         assert record["torch_s"] is not None and record["fsdp_rs_s"] is not None
+        assert record["floor_s"] is None  # the floor shards plain parameters on 1-D meshes
 
 
 def test_bench_step(tmp_path: Path) -> None:
@@ -89,6 +92,27 @@ def test_bench_step(tmp_path: Path) -> None:
         [t / f for f, t in zip(record["fsdp_rs_round_s"], record["torch_round_s"], strict=True)]
     )
     assert "rounds: min-max" in proc.stdout
+    assert record["floor_s"] is None and record["floor_round_s"] is None  # AdamW: no floor
+
+
+@pytest.mark.parametrize("model", ["blocks", "linears"])
+def test_bench_step_floor(tmp_path: Path, model: str) -> None:
+    """Without the optimizer step the floor ([Note: The floor]) is timed beside
+    the libraries: one group per block (no root group), its overhead the median
+    of its rounds and printed per group."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--model", model, "--params", "40", "--block-params", "10", "--repeat", "2"]
+    argv += ["--optimizer", "none", "--world-size", "2", "--json", str(out)]
+    proc = _python(["-m", "fsdp_rs.bench", *argv])
+    (record,) = json.loads(out.read_text())
+    assert record["floor_groups"] == (4 if model == "blocks" else 20)
+    assert len(record["floor_round_s"]) == 2
+    assert statistics.median(record["floor_round_s"]) == pytest.approx(record["floor_s"])
+    assert record["floor_s"] == pytest.approx(record["floor_step_s"] - record["unsharded_step_s"])
+    header, _, row = proc.stdout.strip().splitlines()[-3:]
+    assert header.split()[-4:] == ["floor", "overhead", "ms", "us/group"]
+    per_group = record["floor_s"] / record["floor_groups"] * 1e6
+    assert row.split()[-1] == f"{per_group:.1f}"
 
 
 def test_bench_step_linears(tmp_path: Path) -> None:
@@ -256,3 +280,64 @@ def test_fresh_dtensor_caches_empties_the_sharding_caches() -> None:
     """[Note: One process, two libraries]: after the call the next DTensor op
     misses, so the model timed next fills the caches with its own specs."""
     assert "emptied" in _python(["-c", FRESH_CACHES]).stdout
+
+
+FLOOR_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def rank_main(rank, world_size, port, model_kind):
+        from torch.distributed.device_mesh import init_device_mesh
+        from fsdp_rs.bench.floor import bare_shard
+        from fsdp_rs.bench.training import MODELS
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        mesh = init_device_mesh("cpu", (world_size,))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(MODELS[model_kind](30, 7))
+        ref, floor = models
+        bare_shard(floor, mesh)
+        x = torch.randn(4, generator=torch.Generator().manual_seed(1))
+        for step in range(2):  # the second step: after the first's reshards
+            ref.zero_grad(set_to_none=True)
+            floor.zero_grad(set_to_none=True)
+            out_ref, out = ref(x), floor(x)
+            assert torch.equal(out_ref, out), (step, out_ref, out)
+            out_ref.sum().backward()
+            out.sum().backward()
+            grads = [world_size * p.grad for p in ref.parameters()]
+            got = [p.grad.to_local() for p in floor.parameters()]
+            assert len(got) == len(grads)
+            expected_rows = torch._chunk_cat(grads, 0, world_size)[rank]
+            assert torch.equal(torch.cat([g.reshape(-1) for g in got]), expected_rows), step
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        world_size, port, model_kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+        mp.spawn(rank_main, args=(world_size, port, model_kind), nprocs=world_size)
+        print("floor ok", model_kind)
+    """
+)
+
+
+@pytest.mark.parametrize("model_kind", ["blocks", "linears"])
+def test_floor_gathers_and_reduces(tmp_path: Path, model_kind: str) -> None:
+    """[Note: The floor]: ``bare_shard`` makes the calls it times for real: on
+    two gloo ranks the forward equals the unsharded model's and the sharded
+    gradients hold this rank's rows of the summed gradients (the first
+    group's, whose input needs no gradient, reduced at the end of backward)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "floor_check.py"
+    script.write_text(FLOOR_SCRIPT)
+    proc = _python([str(script), "2", str(port), model_kind])
+    assert f"floor ok {model_kind}" in proc.stdout

@@ -423,7 +423,9 @@ def _add_init(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Time fully_shard (per block, then the root) on a model of N small parameter "
             "tensors, fsdp-rs and torch FSDP2 side by side, on a fake process group "
-            "(rank 0 of W; no communication)."
+            "(rank 0 of W; no communication); with --tp 1 also the floor: the copy, view, "
+            "DTensor and swap every FSDP makes per parameter, made bare "
+            "(fsdp_rs.bench.floor)."
         ),
     )
     _add_training_options(p, DEFAULT_PARAMS)
@@ -450,7 +452,10 @@ def _add_step(subparsers: argparse._SubParsersAction) -> None:
             "fsdp-rs and by torch FSDP2 per block, and by fsdp-rs's auto_shard (the planner's "
             "groups), on a fake process group (rank 0 of W), in rounds (per model one "
             "untimed and two timed steps); the bookkeeping overhead is the median over rounds "
-            "of a library's step time minus the unsharded one, per parameter and per group."
+            "of a library's step time minus the unsharded one, per parameter and per group. "
+            "With --optimizer none and --tp 1 also the floor: the hooks, collectives, "
+            "copies and swaps every FSDP makes per group and step, made bare "
+            "(fsdp_rs.bench.floor)."
         ),
     )
     _add_training_options(p, STEP_DEFAULT_PARAMS)

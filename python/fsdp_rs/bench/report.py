@@ -148,11 +148,13 @@ def copy_table(records: Sequence[Record]) -> str:
 
 
 def init_table(records: Sequence[Record]) -> str:
-    """``bench init``: fully_shard seconds per N, and per parameter."""
+    """``bench init``: fully_shard seconds per N, and per parameter; the
+    floor's beside them ([Note: The floor])."""
     headers = ["n_params", "groups", "fsdp-rs s", "us/param", "torch s", "us/param", "speedup"]
+    headers += ["floor s", "us/param"]
     rows = []
     for r in records:
-        n, ours, theirs = r["n_params"], r["fsdp_rs_s"], r["torch_s"]
+        n, ours, theirs, floor = r["n_params"], r["fsdp_rs_s"], r["torch_s"], r.get("floor_s")
         rows.append(
             [
                 str(n),
@@ -160,8 +162,10 @@ def init_table(records: Sequence[Record]) -> str:
                 _fmt(ours, ".3f"),
                 _fmt(ours / n * 1e6, ".1f"),
                 _fmt(theirs, ".3f"),
-                _fmt(None if theirs is None else theirs / n * 1e6, ".1f"),
+                _fmt(_per(theirs, n), ".1f"),
                 _fmt(r["speedup"], ".1f"),
+                _fmt(floor, ".3f"),
+                _fmt(_per(floor, n), ".1f"),
             ]
         )
     return format_table(headers, rows)
@@ -169,8 +173,9 @@ def init_table(records: Sequence[Record]) -> str:
 
 def step_table(records: Sequence[Record]) -> str:
     """``bench step``: step times, and the bookkeeping overhead per step, per
-    parameter and per group: fsdp-rs and torch FSDP2 per block, and fsdp-rs
-    with ``auto_shard``'s groups (their count beside it)."""
+    parameter and per group: fsdp-rs and torch FSDP2 per block, fsdp-rs
+    with ``auto_shard``'s groups (their count beside it), and the floor's
+    overhead per block ([Note: The floor]; without the optimizer step only)."""
     headers = [
         "n_params",
         "groups",
@@ -187,6 +192,8 @@ def step_table(records: Sequence[Record]) -> str:
         "rounds: min-max",
         "auto ms",
         "auto groups",
+        "floor overhead ms",
+        "us/group",
     ]
     rows = []
     for r in records:
@@ -211,6 +218,8 @@ def step_table(records: Sequence[Record]) -> str:
                 spread,
                 _fmt(_ms(r.get("fsdp_rs_auto_step_s")), ".1f"),
                 str(r.get("auto_groups", "-")),
+                _fmt(_ms(r.get("floor_s")), ".1f"),
+                _fmt(_per(r.get("floor_s"), r.get("floor_groups") or g), ".1f"),
             ]
         )
     return format_table(headers, rows)

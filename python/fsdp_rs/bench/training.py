@@ -16,6 +16,11 @@ DTensor parameters]); the unsharded model has the same DTensor parameters.
 ``n_params / 2`` ``nn.Linear(8, 8)`` modules (two parameters each), each its
 own ``fully_shard`` group.
 
+Both benchmarks also time ``floor.bare_shard`` ([Note: The floor]) on the
+1-D mesh: the torch calls any FSDP makes, without fsdp-rs's bookkeeping
+(``bench step`` only without the optimizer step, which the floor does not
+provide).
+
 [Note: Bookkeeping overhead]
 ``bench step`` times a training step of four copies of the model (unsharded,
 fsdp-rs, torch FSDP2, and fsdp-rs with the groups ``auto_shard`` chooses):
@@ -156,9 +161,19 @@ def meshes(world_size: int, tp: int) -> tuple[Any, Any]:
 
 def shard_model(model: nn.Module, library: str, mesh=None) -> float:
     """Apply ``library``'s fully_shard per block, then to the root; seconds.
-    ``fsdp_rs_auto``: fsdp-rs's ``auto_shard`` with its default budget."""
+    ``fsdp_rs_auto``: fsdp-rs's ``auto_shard`` with its default budget;
+    ``floor``: ``floor.bare_shard`` per block ([Note: The floor])."""
+    if library == "floor" and mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     gc.collect()
     start = time.perf_counter()
+    if library == "floor":
+        from fsdp_rs.bench.floor import bare_shard
+
+        bare_shard(model, mesh)
+        return time.perf_counter() - start
     if library == "fsdp_rs_auto":
         from fsdp_rs import auto_shard
 
@@ -193,7 +208,7 @@ def _optimizer(model: nn.Module, library: str, optimizer: str):
 def _warm_up() -> None:
     """One-time imports and caches (DTensor, dynamo's disable wrappers, the
     default mesh) on a tiny model, so neither library pays them in its timing."""
-    for library in ("fsdp_rs", "torch"):
+    for library in ("fsdp_rs", "torch", "floor"):
         model = BenchModel(2 * len(BLOCK_SHAPES), len(BLOCK_SHAPES))
         shard_model(model, library)
         model(torch.zeros(4)).sum().backward()
@@ -216,13 +231,14 @@ def _record(
 def bench_init(
     n_params: int, world_size: int, block_params: int, torch_too: bool, seed: int = 0, tp: int = 1
 ) -> dict[str, Any]:
-    """Seconds of fully_shard on a fresh model, fsdp-rs and (if ``torch_too``)
-    torch FSDP2."""
+    """Seconds of fully_shard on a fresh model, fsdp-rs, torch FSDP2 (if
+    ``torch_too``) and the floor (1-D meshes: [Note: The floor])."""
     fake_process_group(world_size)
     _warm_up()
     dp_mesh, tp_mesh = meshes(world_size, tp)
     times = {}
-    for library in ("fsdp_rs", "torch") if torch_too else ("fsdp_rs",):
+    libraries = ("fsdp_rs", "torch") if torch_too else ("fsdp_rs",)
+    for library in libraries + (("floor",) if tp == 1 else ()):
         torch.manual_seed(seed)
         model = BenchModel(n_params, block_params, tp_mesh)
         times[library] = shard_model(model, library, dp_mesh)
@@ -233,6 +249,7 @@ def bench_init(
         **_record("init", n_params, world_size, block_params, tp),
         "fsdp_rs_s": times["fsdp_rs"],
         "torch_s": torch_s,
+        "floor_s": times.get("floor"),
         "speedup": None if torch_s is None else torch_s / times["fsdp_rs"],
     }
 
@@ -250,7 +267,7 @@ def _step(model: nn.Module, x: torch.Tensor, opt=None) -> float:
 
 
 STEPS_PER_ROUND = 2
-LIBRARIES = ("unsharded", "fsdp_rs", "torch", "fsdp_rs_auto")
+LIBRARIES = ("unsharded", "fsdp_rs", "torch", "fsdp_rs_auto", "floor")
 
 
 def bench_step(
@@ -265,12 +282,17 @@ def bench_step(
     torch_too: bool = True,
 ) -> dict[str, Any]:
     """Median training-step seconds of the unsharded model, fsdp-rs, torch
-    FSDP2 (if ``torch_too``; its fields are None otherwise) and fsdp-rs grouped
-    by ``auto_shard``; see [Note: Bookkeeping overhead]."""
+    FSDP2 (if ``torch_too``; its fields are None otherwise), fsdp-rs grouped
+    by ``auto_shard`` and the floor (1-D, no optimizer: [Note: The floor]; None
+    otherwise); see [Note: Bookkeeping overhead]."""
     fake_process_group(world_size)
     _warm_up()
     dp_mesh, tp_mesh = meshes(world_size, tp)
-    libraries = LIBRARIES if torch_too else tuple(x for x in LIBRARIES if x != "torch")
+    floor_too = tp == 1 and optimizer == "none"
+    skip = {"torch"} if not torch_too else set()
+    if not floor_too:
+        skip.add("floor")
+    libraries = tuple(x for x in LIBRARIES if x not in skip)
     models, opts, groups = {}, {}, {}
     for library in libraries:
         torch.manual_seed(seed)
@@ -297,6 +319,7 @@ def bench_step(
     fsdp_rs_s = statistics.median(rounds["fsdp_rs"])
     torch_s = statistics.median(rounds["torch"]) if torch_too else None
     auto_s = statistics.median(rounds["fsdp_rs_auto"])
+    floor_s = statistics.median(rounds["floor"]) if floor_too else None
     record = _record("step", n_params, world_size, block_params, tp)
     if model == "linears":
         record["block_params"] = 2
@@ -315,11 +338,15 @@ def bench_step(
         "fsdp_rs_s": fsdp_rs_s,
         "torch_s": torch_s,
         "fsdp_rs_auto_s": auto_s,
+        "floor_step_s": step.get("floor"),
+        "floor_groups": len(models["floor"].blocks) if floor_too else None,
+        "floor_s": floor_s,
         "speedup": torch_s / fsdp_rs_s if torch_s is not None and fsdp_rs_s > 0 else None,
         # per round, to show the machine's noise: the overheads and their ratio
         "fsdp_rs_round_s": rounds["fsdp_rs"],
         "torch_round_s": rounds.get("torch"),
         "fsdp_rs_auto_round_s": rounds["fsdp_rs_auto"],
+        "floor_round_s": rounds.get("floor"),
         "round_speedups": [
             t / f if f > 0 else None
             for f, t in zip(rounds["fsdp_rs"], rounds["torch"], strict=True)
