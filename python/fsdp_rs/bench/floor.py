@@ -44,7 +44,6 @@ from fsdp_rs.runtime.comm.collectives import _PG_ALL_GATHER, _PG_REDUCE_SCATTER
 
 __all__ = ["bare_shard"]
 
-_GRAD = operator.attrgetter("grad")
 _NEW_PARAM = functools.partial(DTensor.__new__, DTensor, requires_grad=True)
 _NEW_GRAD = functools.partial(DTensor.__new__, DTensor, requires_grad=False)
 
@@ -109,22 +108,35 @@ class _BareGroup:
         """At the first unshard, as FSDP2 and fsdp-rs make them: the unsharded
         buffer holds each param's (world, chunk) rows in turn; each unsharded
         param aliases its storage with a version counter of its own (a view
-        would share the buffer's, which the backward's copy-out bumps); the
-        reduce-scatter's output row, and the sharded gradients viewing it."""
-        world, dtype = self.world, self.sharded.dtype
-        self.unsharded = torch.empty(world * self.sharded.numel(), dtype=dtype)
+        would share the buffer's, which the backward's copy-out bumps). Then
+        what makes the copies one op each: the gradient buffer, in the same
+        layout, with a view per param that autograd accumulates into (as
+        fsdp-rs pre-places them), the index from the all-gather's rank-major
+        rows to that layout and its inverse, the reduce-scatter's input and
+        output, and the sharded gradients viewing the output."""
+        world, dtype, row = self.world, self.sharded.dtype, self.sharded.numel()
+        self.unsharded = torch.empty(world * row, dtype=dtype)
         starts = [world * offset for offset in self.offsets]
-        self.outs = [
-            self.unsharded[s : s + world * c].view(world, c)
-            for s, c in zip(starts, self.chunks, strict=True)
-        ]
         storage = self.unsharded.untyped_storage()
+        full_strides = list(map(_full_stride, self.local))
         self.unsharded_params = [
             nn.Parameter(torch.empty(0, dtype=dtype).set_(storage, s, shape, shape_stride))
-            for s, shape, shape_stride in zip(
-                starts, self.shapes, map(_full_stride, self.local), strict=True
-            )
+            for s, shape, shape_stride in zip(starts, self.shapes, full_strides, strict=True)
         ]
+        self.grad_buffer = torch.zeros(world * row, dtype=dtype)
+        self.grad_aliases = list(
+            map(self.grad_buffer.as_strided, self.shapes, full_strides, starts)
+        )
+        # position u of the unsharded layout (param i, rank r, element j of its
+        # chunk) reads the all-gather output at r * row + offset_i + j
+        chunks = np.asarray(self.chunks, np.int64)
+        param = np.repeat(np.arange(len(chunks)), world * chunks)
+        within = np.arange(world * row) - np.repeat(starts, world * chunks)
+        rank, j = within // chunks[param], within % chunks[param]
+        gather = rank * row + np.asarray(self.offsets, np.int64)[param] + j
+        self.gather_index = torch.from_numpy(gather)
+        self.scatter_index = torch.from_numpy(np.argsort(gather))
+        self.rs_input = torch.empty(world * row, dtype=dtype)
         self.grad_row = torch.zeros_like(self.sharded)
         local_shapes = list(map(_FIRST, self.local))
         grad_views = map(
@@ -144,7 +156,7 @@ class _BareGroup:
             self._make_unsharded()
         ag = torch.empty(self.world * self.sharded.numel(), dtype=self.sharded.dtype)
         self.all_gather(ag, self.sharded, self.ag_opts).wait()
-        torch.split_with_sizes_copy(ag.view(self.world, -1), self.chunks, dim=1, out=self.outs)
+        torch.index_select(ag, 0, self.gather_index, out=self.unsharded)
         _set(self.dicts, self.names, self.unsharded_params)
 
     def pre_forward(self, module: nn.Module, args: tuple):
@@ -169,15 +181,14 @@ class _BareGroup:
             backward.begun = True
         backward.pending[id(self)] = self
         self.unshard()
+        self.grad_buffer.zero_()
+        deque(map(setattr, self.unsharded_params, repeat("grad"), self.grad_aliases), maxlen=0)
 
     def post_backward(self, grads: tuple) -> None:
         self.backward.pending.pop(id(self), None)
-        grads_ = list(map(_GRAD, self.unsharded_params))
-        if any(map(operator.is_, grads_, repeat(None))):
-            return None  # floor: a group whose gradients did not all arrive stays
         with torch.no_grad():
-            rs_in = torch._chunk_cat(grads_, 0, self.world)
-            self.reduce_scatter(self.grad_row, rs_in.view(-1), self.rs_opts).wait()
+            torch.index_select(self.grad_buffer, 0, self.scatter_index, out=self.rs_input)
+            self.reduce_scatter(self.grad_row, self.rs_input, self.rs_opts).wait()
         deque(map(setattr, self.unsharded_params, repeat("grad"), repeat(None)), maxlen=0)
         deque(map(setattr, self.sharded_params, repeat("grad"), self.sharded_grads), maxlen=0)
         _set(self.dicts, self.names, self.sharded_params)
