@@ -9,8 +9,10 @@ copy of its shard (``torch._chunk_cat``), a view of the sharded buffer and a
 DTensor over it, and the swap into its module; per group and step, the module
 hooks torch dispatches, the autograd hooks registered on an input and an
 output, two all-gathers (forward and backward) and one reduce-scatter, their
-output buffers and the copy-out and copy-in around them, and the swaps of the
-parameters. ``bare_shard`` makes those calls and nothing else: it plans nothing
+output buffers, the copy-out and copy-in around them (one ``index_select``
+each, as fsdp-rs copies on CPU, into gradients autograd accumulates in place
+as fsdp-rs pre-places them), and the swaps of the parameters. ``bare_shard``
+makes those calls and nothing else (for the model's blocks, of one dtype): it plans nothing
 (the rows are ``_chunk_cat``'s, without FSDP2's alignment), checks nothing,
 handles no policy, no missing gradient, no shared parameter, no stream, no
 ``torch.compile``, no second forward, and keeps no state a user could observe
@@ -87,7 +89,7 @@ class _BareGroup:
         self.shapes = list(map(operator.attrgetter("shape"), params))
         # per distinct shape (across groups): this rank's padded shard, its
         # strides and the sharded parameter's spec
-        for shape in set(self.shapes).difference(specs):
+        for shape in set(self.shapes).difference(specs):  # one dtype: the bench models
             local = torch.Size((-(-shape[0] // world), *shape[1:]))
             meta = TensorMeta(shape, _contiguous_stride(shape), self.sharded.dtype)
             specs[shape] = (local, _contiguous_stride(local), DTensorSpec(mesh, (Shard(0),), meta))
