@@ -12,7 +12,7 @@ output, two all-gathers (forward and backward) and one reduce-scatter, their
 output buffers, the copy-out and copy-in around them (one ``index_select``
 each, as fsdp-rs copies on CPU, into gradients autograd accumulates in place
 as fsdp-rs pre-places them), and the swaps of the parameters. ``bare_shard``
-makes those calls and nothing else (for the model's blocks, of one dtype): it plans nothing
+makes those calls and nothing else, for blocks of one dtype: it plans nothing
 (the rows are ``_chunk_cat``'s, without FSDP2's alignment), checks nothing,
 handles no policy, no missing gradient, no shared parameter, no stream, no
 ``torch.compile``, no second forward, and keeps no state a user could observe
