@@ -332,12 +332,9 @@ def test_floor_gathers_and_reduces(tmp_path: Path, model_kind: str) -> None:
     two gloo ranks the forward equals the unsharded model's and the sharded
     gradients hold this rank's rows of the summed gradients (the first
     group's, whose input needs no gradient, reduced at the end of backward)."""
-    import socket
+    from spawned import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "floor_check.py"
     script.write_text(FLOOR_SCRIPT)
-    proc = _python([str(script), "2", str(port), model_kind])
+    proc = _python([str(script), "2", str(free_port()), model_kind])
     assert f"floor ok {model_kind}" in proc.stdout
